@@ -1,0 +1,316 @@
+"""The PyTorch engine: a fixed pool of session slots advanced in batched lockstep.
+
+A tick for slots [B] is: Mimi-encode each slot's 80 ms of user audio -> teacher-force the
+user codes into each slot's token ring -> one temporal transformer step for all B -> text
+sample -> depformer (8 agent codebooks by default) -> Mimi-decode the de-delayed agent
+frame.  Every piece of per-session state (KV ring, token ring, Mimi state, RNG counter,
+sampling settings) is a tensor indexed by slot, so any subset of slots can advance together
+and resetting one slot touches no other.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .checkpoint import CheckpointFiles, SafetensorsReader, load_lm_tensors
+from .config import FRAME_SAMPLES
+from .interface import EngineInfo, FrameOutput, InvalidSessionSpec, NoFreeSlot, SessionSpec
+from .lm import MoshiLM
+from .mimi import MimiCodec
+from .modules.kv_ring import SlotKVRing, WindowMode
+from .prefill import Prefill, PrefillCache, build_prefill, prompt_frames, voice_replay_frame
+from .sampling import SamplingBatch, exponential_noise, sample_tokens
+from .token_state import TokenState
+from .tokenizer import TextTokenizer
+from .voices import VoiceStore, check_voice_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "cpu"
+    window: str = WindowMode.REFERENCE
+    # 8 runs only the agent codebooks (the user-side steps are dead compute, model.md 3.4);
+    # 16 reproduces the reference's full depformer for conformance checks.
+    depformer_steps: int = 8
+    prefill_cache_entries: int = 16
+
+    def __post_init__(self) -> None:
+        if self.window not in WindowMode.ALL:
+            raise ValueError(f"window must be one of {WindowMode.ALL}, got {self.window!r}")
+
+
+class _SlotSettings:
+    """Per-slot sampling settings and RNG state as tensors (gathered per tick)."""
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        f32 = dict(device=device, dtype=torch.float32)
+        i64 = dict(device=device, dtype=torch.long)
+        self.temp_text = torch.zeros(num_slots, **f32)
+        self.temp_audio = torch.zeros(num_slots, **f32)
+        self.topk_text = torch.ones(num_slots, **i64)
+        self.topk_audio = torch.ones(num_slots, **i64)
+        self.greedy = torch.ones(num_slots, device=device, dtype=torch.bool)
+        self.seed = torch.zeros(num_slots, **i64)
+        self.counter = torch.zeros(num_slots, **i64)
+
+    def set(self, slot: int, spec: SessionSpec) -> None:
+        s = spec.sampling
+        self.temp_text[slot] = s.temp_text
+        self.temp_audio[slot] = s.temp_audio
+        self.topk_text[slot] = s.topk_text
+        self.topk_audio[slot] = s.topk_audio
+        self.greedy[slot] = s.greedy
+        seed = spec.seed if spec.seed is not None else secrets.randbits(62)
+        self.seed[slot] = int(seed) & ((1 << 63) - 1)
+        self.counter[slot] = 0
+
+
+class PersonaPlexEngine:
+    def __init__(
+        self,
+        lm: MoshiLM,
+        mimi: MimiCodec,
+        tokenizer: TextTokenizer,
+        voices: VoiceStore,
+        num_slots: int,
+        options: EngineOptions = EngineOptions(),
+        model_name: str = "personaplex",
+        is_demo: bool = False,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
+        cfg = lm.cfg
+        self.cfg = cfg
+        self.lm = lm
+        self.mimi = mimi
+        self.tokenizer = tokenizer
+        self.voice_store = voices
+        self.options = options
+        self.device = lm.device
+        self.num_slots = num_slots
+        # One extra slot (the last) is scratch space for prefills and voice building.
+        self.scratch = num_slots
+        self.kv = SlotKVRing(cfg.num_layers, num_slots + 1, cfg.num_heads, cfg.context, cfg.head_dim,
+                             device=self.device, dtype=lm.dtype)
+        self.tokens = TokenState(cfg, num_slots + 1, device=self.device)
+        self.settings = _SlotSettings(num_slots + 1, self.device)
+        self.prefills = PrefillCache(options.prefill_cache_entries)
+        self._specs: dict[int, SessionSpec] = {}
+        self._free = list(range(num_slots))
+        self.info = EngineInfo(
+            model=model_name,
+            backend="torch",
+            device=str(self.device),
+            max_slots=num_slots,
+            is_demo=is_demo,
+        )
+
+    # Construction -------------------------------------------------------------------------
+    @classmethod
+    def from_files(
+        cls,
+        files: CheckpointFiles,
+        num_slots: int,
+        options: EngineOptions = EngineOptions(),
+        is_demo: bool = False,
+    ) -> "PersonaPlexEngine":
+        device = torch.device(options.device)
+        lm_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        cfg = files.lm_config
+        lm = MoshiLM(cfg, options.depformer_steps)
+        log.info("loading LM weights from %s", files.lm_weights)
+        reader = SafetensorsReader(files.lm_weights)
+        tensors = load_lm_tensors(reader, cfg, options.depformer_steps,
+                                  convert=lambda t: t.to(device=device, dtype=lm_dtype))
+        lm.load_state_dict(tensors, strict=True, assign=True)
+        lm.eval()
+        log.info("loading Mimi weights from %s", files.mimi_weights)
+        mimi_state = SafetensorsReader(files.mimi_weights).state_dict()
+        mimi = MimiCodec.from_state_dict(files.mimi_config, mimi_state, num_slots + 1,
+                                         window=options.window, device=device)
+        tokenizer = TextTokenizer(files.tokenizer)
+        voices = VoiceStore(files.voices_dir, files.root, files.voices_archive, cfg.dim, cfg.num_streams)
+        return cls(lm, mimi, tokenizer, voices, num_slots, options, model_name=files.name, is_demo=is_demo)
+
+    # Engine interface ---------------------------------------------------------------------
+    def voices(self) -> list[str]:
+        return self.voice_store.names()
+
+    def validate(self, spec: SessionSpec) -> None:
+        check_voice_name(spec.voice)
+        if spec.voice not in self.voice_store.names():
+            raise InvalidSessionSpec(f"unknown voice {spec.voice!r}; available: {', '.join(self.voices()) or 'none'}")
+
+    def prepare(self, spec: SessionSpec) -> Prefill:
+        persona = tuple(self.tokenizer.persona_tokens(spec.effective_persona))
+        key = (spec.voice, persona)
+        prefill = self.prefills.get(key)
+        if prefill is None:
+            voice = self.voice_store.load(spec.voice)
+            with torch.inference_mode():
+                prefill = build_prefill(self.lm, self.kv, self.tokens, voice, persona,
+                                        self.options.window, scratch_slot=self.scratch)
+            self.prefills.put(key, prefill)
+            log.info("prefill for voice %s and a %d-token persona: %d positions",
+                     spec.voice, len(persona), prefill.positions)
+        return prefill
+
+    def open_slot(self, spec: SessionSpec) -> int:
+        self.validate(spec)
+        prefill = self.prepare(spec)
+        if not self._free:
+            raise NoFreeSlot(f"all {self.num_slots} session slots are in use")
+        slot = self._free.pop(0)
+        self._specs[slot] = spec
+        self.settings.set(slot, spec)
+        self._install(slot, prefill)
+        return slot
+
+    def restart_slot(self, slot: int) -> None:
+        spec = self._spec(slot)
+        self._install(slot, self.prepare(spec))
+
+    def close_slot(self, slot: int) -> None:
+        self._spec(slot)
+        del self._specs[slot]
+        # Wipe now rather than on the next open: nothing of this session stays reachable.
+        self._reset(slot)
+        self._free.append(slot)
+        self._free.sort()
+
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def step(self, slots: Sequence[int], pcm: np.ndarray) -> list[FrameOutput]:
+        if len(slots) == 0:
+            return []
+        pcm = np.asarray(pcm, dtype=np.float32)
+        if pcm.shape != (len(slots), FRAME_SAMPLES):
+            raise ValueError(f"pcm must have shape ({len(slots)}, {FRAME_SAMPLES}), got {pcm.shape}")
+        for s in slots:
+            self._spec(s)
+        if len(set(slots)) != len(slots):
+            raise ValueError("a slot may appear only once per step")
+        idx = torch.tensor(list(slots), device=self.device, dtype=torch.long)
+        with torch.inference_mode():
+            user_codes = self.mimi.encode_step(idx, torch.from_numpy(pcm).to(self.device))
+            out = self.step_tokens(idx, user_codes)
+            agent_pcm = self.mimi.decode_step(idx, out[:, 1 : 1 + self.cfg.audio_codebooks])
+        text_ids = out[:, 0].tolist()
+        audio = agent_pcm.float().cpu().numpy()
+        return [FrameOutput(audio[i], t, self.tokenizer.transcript_piece(t)) for i, t in enumerate(text_ids)]
+
+    # Lower-level operations (also used by the offline CLI, voice builder and tests) ------------
+    def step_tokens(self, slots: torch.Tensor, user_codes: torch.Tensor) -> torch.Tensor:
+        """One live LM call: force ``user_codes`` [B, 8], return the emitted frames [B, 17]."""
+        cfg = self.cfg
+        B = slots.shape[0]
+        forced = torch.zeros(B, cfg.num_streams, dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(forced, dtype=torch.bool)
+        half = cfg.audio_codebooks
+        forced[:, 1 + half :] = user_codes
+        mask[:, 1 + half :] = True
+        out = self.lm_call(slots, forced, mask)
+        if out is None:
+            raise RuntimeError("live step on a slot without a system prompt")
+        return out
+
+    def lm_call(
+        self,
+        slots: torch.Tensor,
+        forced: torch.Tensor,
+        mask: torch.Tensor,
+        embeddings: torch.Tensor | None = None,
+        capture: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
+        """One call of the PersonaPlex loop (model.md 3.2) for slots in the same phase.
+
+        ``forced``/``mask`` [B, 17] teacher-force this call's frame; ``embeddings`` [B, D]
+        replaces the token embedding of the input position (voice replay); the input
+        embedding of a model call is appended to ``capture`` when given (voice building).
+        """
+        cfg = self.cfg
+        self.tokens.force(slots, forced, mask)
+        offsets = self.tokens.offset[slots]
+        if bool((offsets == 0).all()):
+            self.tokens.skip_call(slots)
+            return None
+        if bool((offsets == 0).any()):
+            raise RuntimeError("slots in different start-up phases cannot share a call")
+        model_input, target, target_forced = self.tokens.begin_call(slots)
+        if embeddings is None:
+            x = self.lm.embed_tokens(model_input.unsqueeze(1))
+        else:
+            x = embeddings.unsqueeze(1).to(self.lm.dtype)
+        if capture is not None:
+            capture.append(x)
+        hidden = self.lm.temporal(slots, x, self.kv, self.options.window)[:, 0]
+        text = self._sample(slots, 0, self.lm.text_logits(hidden), text=True)
+        text_in = torch.where(target_forced[:, 0], target[:, 0], text)
+        steps = self.lm.depformer_steps
+        audio = self.lm.depformer(
+            hidden, text_in, target[:, 1 : 1 + steps], target_forced[:, 1 : 1 + steps],
+            lambda k, logits: self._sample(slots, 1 + k, logits, text=False),
+            self.options.window,
+        )
+        self.settings.counter[slots] += 1
+        return self.tokens.end_call(slots, text, audio)
+
+    def _sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
+        st = self.settings
+        batch = SamplingBatch(
+            temperature=(st.temp_text if text else st.temp_audio)[slots],
+            top_k=(st.topk_text if text else st.topk_audio)[slots],
+            greedy=st.greedy[slots],
+        )
+        noise = None
+        if not bool(batch.greedy.all()):
+            noise = exponential_noise(st.seed[slots], st.counter[slots], stream, logits.shape[-1])
+        return sample_tokens(logits, batch, noise)
+
+    def _install(self, slot: int, prefill: Prefill) -> None:
+        self._reset(slot)
+        self.kv.install(slot, prefill.start, prefill.keys, prefill.values)
+        self.tokens.restore(slot, prefill.token_cache, prefill.token_provided, prefill.offset)
+
+    def _reset(self, slot: int) -> None:
+        idx = torch.tensor([slot], device=self.device)
+        self.kv.reset(idx)
+        self.tokens.reset(idx)
+        self.mimi.reset(idx)
+        self.settings.counter[slot] = 0
+
+    def _spec(self, slot: int) -> SessionSpec:
+        spec = self._specs.get(slot)
+        if spec is None:
+            raise ValueError(f"slot {slot} is not open")
+        return spec
+
+    def prefill_stepwise(self, slot: int, spec: SessionSpec) -> None:
+        """Run ``spec``'s system prompt frame by frame, as the reference does.
+
+        Slow; exists to check the parallel prefill against the reference loop.
+        """
+        self._spec(slot)
+        self._reset(slot)
+        voice = self.voice_store.load(spec.voice)
+        persona = self.tokenizer.persona_tokens(spec.effective_persona)
+        idx = torch.tensor([slot], device=self.device)
+        all_forced = torch.ones(1, self.cfg.num_streams, dtype=torch.bool, device=self.device)
+        with torch.inference_mode():
+            dummy = torch.tensor([voice_replay_frame(self.cfg).streams()], device=self.device)
+            self.lm_call(idx, dummy, all_forced)  # offset 0: no model call
+            for row in voice.embeddings:
+                self.lm_call(idx, dummy, all_forced, embeddings=row.view(1, -1).to(self.device))
+            self.tokens.cache[slot] = voice.cache.to(self.device)
+            for frame in prompt_frames(persona):
+                self.lm_call(idx, torch.tensor([frame.streams()], device=self.device), all_forced)
+        self.settings.counter[slot] = 0

@@ -1,0 +1,14 @@
+"""Errors raised while reading user-supplied files (checkpoints, voices, audio)."""
+
+from __future__ import annotations
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable, or holds a missing or mis-shaped tensor.
+
+    The message always names the file and, where relevant, the tensor.
+    """
+
+
+class AudioInputError(ValueError):
+    """An audio file cannot be read or is not usable as model input."""

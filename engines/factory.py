@@ -1,0 +1,61 @@
+"""Build the configured engine (the one entry point the orchestrator and CLIs use)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .interface import Engine
+from .modules.kv_ring import WindowMode
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("torch",)
+
+
+def create_torch_engine(
+    checkpoint: str | Path | None,
+    *,
+    max_slots: int,
+    device: str = "cpu",
+    window: str = WindowMode.REFERENCE,
+    depformer_steps: int = 8,
+    **locate_overrides,
+):
+    """The PyTorch engine for ``checkpoint`` (``None``: the embedded tiny demo model).
+
+    ``locate_overrides`` are explicit file paths (``lm_weights``, ``mimi_weights``,
+    ``tokenizer``, ``voices_dir``) that take precedence over the directory's files.
+    """
+    from . import checkpoint as ckpt
+    from .engine import EngineOptions, PersonaPlexEngine
+    from .tiny import ensure_tiny_checkpoint
+
+    is_demo = checkpoint is None and not locate_overrides.get("lm_weights")
+    if is_demo:
+        checkpoint = ensure_tiny_checkpoint()
+        log.warning(
+            "serving the embedded tiny demo checkpoint from %s: an UNTRAINED random model whose "
+            "audio is noise. Point PERSONAPLEX_CHECKPOINT (or --checkpoint) at a downloaded "
+            "nvidia/personaplex-7b-v1 directory to serve real weights.",
+            checkpoint,
+        )
+    files = ckpt.locate(checkpoint, **locate_overrides)
+    options = EngineOptions(device=device, window=window, depformer_steps=depformer_steps)
+    return PersonaPlexEngine.from_files(files, max_slots, options, is_demo=is_demo)
+
+
+def create_engine(
+    checkpoint: str | Path | None,
+    *,
+    max_slots: int,
+    device: str = "cpu",
+    backend: str = "torch",
+    window: str = WindowMode.REFERENCE,
+) -> Engine:
+    """Load ``checkpoint`` (a local checkpoint directory) into an engine with ``max_slots``
+    session slots.  ``None`` selects the embedded default: the deterministic tiny demo
+    checkpoint, generated once into a cache directory."""
+    if backend == "torch":
+        return create_torch_engine(checkpoint, max_slots=max_slots, device=device, window=window)
+    raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")

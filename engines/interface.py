@@ -1,0 +1,136 @@
+"""The one interface between the orchestrator and a model engine.
+
+An engine owns a fixed pool of session slots.  The orchestrator's tick scheduler decides
+*which* slots advance in a tick; the engine decides *how* (tensors, batching, graphs).
+Nothing here is thread-safe: every method is called from the single engine-owner thread,
+never from the asyncio loop.
+
+Audio crossing this interface is always mono float32 PCM at 24 kHz in whole 80 ms frames
+of 1920 samples; format conversion and resampling happen in the orchestrator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .config import DEFAULT_PERSONA, DEFAULT_VOICE, FRAME_SAMPLES, SAMPLE_RATE
+
+
+class EngineError(Exception):
+    """Base class of errors an engine reports to its caller.
+
+    ``code`` is the protocol error code the orchestrator forwards to clients.
+    """
+
+    code = "engine_error"
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class InvalidSessionSpec(EngineError):
+    """The requested voice or persona cannot be used (client error)."""
+
+    code = "invalid_voice"
+
+
+class PrefillUnavailable(EngineError):
+    """The voice bundle or tokenizer could not be read for this session."""
+
+    code = "prefill_unavailable"
+
+
+class NoFreeSlot(EngineError):
+    code = "resource_exhausted"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings of one session (reference defaults)."""
+
+    greedy: bool = False
+    temp_audio: float = 0.8
+    temp_text: float = 0.7
+    topk_audio: int = 250
+    topk_text: int = 25
+
+    def __post_init__(self) -> None:
+        if self.temp_audio < 0 or self.temp_text < 0:
+            raise ValueError("temperatures must be >= 0")
+        if self.topk_audio < 1 or self.topk_text < 1:
+            raise ValueError("top-k must be >= 1")
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What a session asks of the model: voice, persona, decoding and seed."""
+
+    voice: str = DEFAULT_VOICE
+    persona: str = DEFAULT_PERSONA
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None  # None: drawn by the engine
+
+    @property
+    def effective_persona(self) -> str:
+        # An empty persona crashes the reference; we use the default one (protocol notes).
+        return self.persona if self.persona and self.persona.strip() else DEFAULT_PERSONA
+
+
+@dataclass(frozen=True)
+class FrameOutput:
+    """One 80 ms frame produced for one slot."""
+
+    pcm: np.ndarray  # float32 [1920], 24 kHz mono
+    text_id: int  # inner-monologue token of this frame
+    text: str  # its piece with SentencePiece's "▁" as a space; "" for PAD/EPAD
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str  # model name reported by /v1/models and session objects
+    backend: str  # "torch", "trtllm", ...
+    device: str
+    max_slots: int
+    is_demo: bool = False  # the embedded untrained tiny model
+    sample_rate: int = SAMPLE_RATE
+    frame_samples: int = FRAME_SAMPLES
+
+
+class Engine(Protocol):
+    info: EngineInfo
+
+    def voices(self) -> list[str]:
+        """Names of the voices a session may ask for (e.g. ``"NATF2.pt"``)."""
+
+    def validate(self, spec: SessionSpec) -> None:
+        """Cheap checks of a session spec; raises ``InvalidSessionSpec``."""
+
+    def prepare(self, spec: SessionSpec) -> None:
+        """Compute (or find cached) the voice + persona prefill for ``spec``.
+
+        May take a while on a cold cache; raises ``InvalidSessionSpec`` or
+        ``PrefillUnavailable``.  ``open_slot`` calls it implicitly.
+        """
+
+    def open_slot(self, spec: SessionSpec) -> int:
+        """Allocate a slot, install the prefill, return the slot id; ``NoFreeSlot`` if full."""
+
+    def restart_slot(self, slot: int) -> None:
+        """Start a new epoch in ``slot``: fresh model context with the prefill replayed."""
+
+    def step(self, slots: Sequence[int], pcm: np.ndarray) -> list[FrameOutput]:
+        """Advance every slot in ``slots`` by one frame in one batched call.
+
+        ``pcm`` is float32 [len(slots), 1920]; returns one ``FrameOutput`` per slot, in order.
+        """
+
+    def close_slot(self, slot: int) -> None:
+        """Release ``slot``; its state can never reach another session."""
+
+    def free_slots(self) -> int:
+        """Number of slots that ``open_slot`` can still allocate."""

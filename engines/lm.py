@@ -1,0 +1,171 @@
+"""The Moshi/PersonaPlex language model: token embeddings, the temporal transformer, the
+text head and the depformer, batched over session slots.
+
+This module is pure compute.  Streaming state lives outside it: the temporal KV cache is a
+``SlotKVRing`` passed in by the caller, and the depformer's state lives for one frame only.
+Weights use our own canonical names (see ``engines.checkpoint`` for the mapping from the
+official file).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LMConfig
+from .modules.kv_ring import SlotKVRing, WindowMode, window_start
+from .modules.layers import embed, gated_ffn, linear, rms_norm
+from .modules.rope import apply_rope
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class TemporalLayer(nn.Module):
+    def __init__(self, cfg: LMConfig) -> None:
+        super().__init__()
+        d, h = cfg.dim, cfg.ffn_hidden
+        self.in_proj = _param(3 * d, d)  # rows: q, k, v; each head-major
+        self.out_proj = _param(d, d)
+        self.norm1 = _param(d)
+        self.norm2 = _param(d)
+        self.ffn_in = _param(2 * h, d)  # rows: gate, up
+        self.ffn_out = _param(d, h)
+
+
+class DepformerLayer(nn.Module):
+    """One depformer layer with a separate weight set per codebook step."""
+
+    def __init__(self, cfg: LMConfig, steps: int) -> None:
+        super().__init__()
+        d, h = cfg.depformer_dim, cfg.depformer_ffn_hidden
+        self.in_proj = _param(steps, 3 * d, d)
+        self.out_proj = _param(steps, d, d)
+        self.norm1 = _param(d)  # norms are shared by all steps
+        self.norm2 = _param(d)
+        self.ffn_in = _param(steps, 2 * h, d)
+        self.ffn_out = _param(steps, d, h)
+
+
+class MoshiLM(nn.Module):
+    def __init__(self, cfg: LMConfig, depformer_steps: int) -> None:
+        super().__init__()
+        if not 1 <= depformer_steps <= cfg.dep_q:
+            raise ValueError(f"depformer_steps={depformer_steps} must be in [1, dep_q={cfg.dep_q}]")
+        self.cfg = cfg
+        self.depformer_steps = depformer_steps
+        d, dd, steps = cfg.dim, cfg.depformer_dim, depformer_steps
+        self.emb = _param(cfg.n_q, cfg.card + 1, d)
+        self.text_emb = _param(cfg.text_card + 1, d)
+        self.layers = nn.ModuleList(TemporalLayer(cfg) for _ in range(cfg.num_layers))
+        self.out_norm = _param(d)
+        self.text_linear = _param(cfg.text_card, d)
+        self.depformer_in = _param(steps, dd, d)
+        self.depformer_text_emb = _param(cfg.text_card + 1, dd)
+        self.depformer_emb = _param(max(steps - 1, 0), cfg.card + 1, dd)
+        self.depformer_layers = nn.ModuleList(DepformerLayer(cfg, steps) for _ in range(cfg.depformer_num_layers))
+        self.linears = _param(steps, cfg.card, dd)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.text_emb.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.text_emb.device
+
+    # Temporal transformer ---------------------------------------------------------------
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Summed input embedding [B, T, D] of ``tokens`` [B, T, 17].
+
+        Summed audio streams first, in stream order, then text: the reference's order.
+        """
+        x = None
+        for i in range(self.cfg.n_q):
+            e = embed(self.emb[i], tokens[..., 1 + i])
+            x = e if x is None else x + e
+        return x + embed(self.text_emb, tokens[..., 0])
+
+    def temporal(
+        self,
+        slots: torch.Tensor,
+        x: torch.Tensor,
+        kv: SlotKVRing,
+        window: str = WindowMode.REFERENCE,
+    ) -> torch.Tensor:
+        """Run input embeddings ``x`` [B, T, D] of ``slots`` at their next positions.
+
+        Returns the normed hidden state [B, T, D] (what feeds the text head and the depformer)
+        and advances the slots' KV cache by T.  Each token is one reference call, so in
+        reference window mode a query at p sees keys down to p - (context - 2).
+        """
+        cfg = self.cfg
+        B, T, _ = x.shape
+        positions = kv.positions(slots, T)
+        lo = window_start(positions, positions + 1, kv.capacity, window)
+        H, Dh = cfg.num_heads, cfg.head_dim
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.norm1, cfg.norm_eps)
+            q, k, v = linear(h, layer.in_proj).view(B, T, 3, H, Dh).permute(2, 0, 3, 1, 4)
+            q = apply_rope(q, positions, cfg.max_period)
+            k = apply_rope(k, positions, cfg.max_period)
+            a = kv.attend(i, slots, q, k, v, positions, lo)
+            x = x + linear(a.transpose(1, 2).reshape(B, T, H * Dh), layer.out_proj)
+            x = x + gated_ffn(rms_norm(x, layer.norm2, cfg.norm_eps), layer.ffn_in, layer.ffn_out)
+        kv.advance(slots, T)
+        return rms_norm(x, self.out_norm, cfg.norm_eps)
+
+    def text_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.text_linear).float()
+
+    # Depformer ----------------------------------------------------------------------------
+    def depformer(
+        self,
+        hidden: torch.Tensor,
+        first_token: torch.Tensor,
+        forced: torch.Tensor,
+        forced_mask: torch.Tensor,
+        sample: Callable[[int, torch.Tensor], torch.Tensor],
+        window: str = WindowMode.REFERENCE,
+    ) -> torch.Tensor:
+        """Autoregress over the codebooks of one frame.
+
+        ``hidden`` [B, D] is the normed temporal output, ``first_token`` [B] the (forced or
+        sampled) text token.  Step k's sample is replaced by ``forced[:, k]`` where
+        ``forced_mask[:, k]`` before it feeds step k+1 (teacher forcing).  ``sample(k, logits)``
+        draws step k's token from float32 logits [B, card].  Returns the samples [B, steps].
+        """
+        cfg = self.cfg
+        steps = self.depformer_steps
+        B = hidden.shape[0]
+        H, Dh = cfg.depformer_num_heads, cfg.depformer_head_dim
+        n_layers = cfg.depformer_num_layers
+        keys = hidden.new_zeros(n_layers, B, H, steps, Dh)
+        values = torch.zeros_like(keys)
+        # The reference's per-frame ring holds dep_q entries (of the model, not of the steps
+        # we run), so its last step cannot see step 0 in reference window mode.
+        capacity = cfg.dep_q
+        samples = []
+        prev = first_token
+        for k in range(steps):
+            table = self.depformer_text_emb if k == 0 else self.depformer_emb[k - 1]
+            x = (linear(hidden, self.depformer_in[k]) + embed(table, prev)).unsqueeze(1)
+            lo = window_start(torch.tensor([[k]]), torch.tensor([[k + 1]]), capacity, window).item()
+            lo = max(lo, 0)
+            for i, layer in enumerate(self.depformer_layers):
+                h = rms_norm(x, layer.norm1, cfg.norm_eps)
+                q, kk, vv = linear(h, layer.in_proj[k]).view(B, 1, 3, H, Dh).permute(2, 0, 3, 1, 4)
+                keys[i, :, :, k] = kk[:, :, 0]
+                values[i, :, :, k] = vv[:, :, 0]
+                a = F.scaled_dot_product_attention(q, keys[i, :, :, lo : k + 1], values[i, :, :, lo : k + 1])
+                x = x + linear(a.transpose(1, 2).reshape(B, 1, H * Dh), layer.out_proj[k])
+                x = x + gated_ffn(rms_norm(x, layer.norm2, cfg.norm_eps), layer.ffn_in[k], layer.ffn_out[k])
+            logits = linear(x[:, 0], self.linears[k]).float()
+            token = sample(k, logits)
+            samples.append(token)
+            prev = torch.where(forced_mask[:, k], forced[:, k], token)
+        return torch.stack(samples, dim=1)

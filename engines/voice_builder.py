@@ -1,0 +1,93 @@
+"""Build a PersonaPlex voice prompt (``.pt``) from a WAV file, so users can add voices.
+
+The reference's recipe: read, resample to 24 kHz, normalise to -24 LUFS, Mimi-encode in
+80 ms frames (last one zero-padded), and run one forced model call per frame with the
+voice codes on the agent side, PAD text and the sine frame on the user side.  The input
+embeddings of those calls and the final token ring are what the ``.pt`` stores.
+
+    python -m engines.voice_builder --checkpoint DIR --input-wav me.wav --output me.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .audio_io import frames_of, normalize_loudness, read_audio
+from .config import SINE_TOKENS, TEXT_PAD_ID
+from .errors import AudioInputError, CheckpointError
+
+log = logging.getLogger(__name__)
+
+MIN_VOICE_FRAMES = 2
+
+
+def build_voice_prompt(engine, pcm: np.ndarray) -> dict[str, torch.Tensor]:
+    """Voice ``.pt`` contents for 24 kHz mono ``pcm`` (loudness-normalised here)."""
+    pcm = normalize_loudness(np.asarray(pcm, dtype=np.float32))
+    frames = frames_of(pcm)
+    if frames.shape[0] < MIN_VOICE_FRAMES:
+        raise AudioInputError(f"voice audio must be at least {MIN_VOICE_FRAMES} frames (160 ms) long")
+    cfg = engine.cfg
+    slot = engine.scratch
+    idx = torch.tensor([slot], device=engine.device)
+    forced = torch.zeros(1, cfg.num_streams, dtype=torch.long, device=engine.device)
+    forced[0, 0] = TEXT_PAD_ID
+    forced[0, 1 + cfg.audio_codebooks :] = torch.tensor(SINE_TOKENS)
+    mask = torch.ones_like(forced, dtype=torch.bool)
+    captured: list[torch.Tensor] = []
+    engine._reset(slot)
+    with torch.inference_mode():
+        for frame in frames:
+            codes = engine.mimi.encode_step(idx, torch.from_numpy(frame).to(engine.device).view(1, -1))
+            forced[0, 1 : 1 + cfg.audio_codebooks] = codes[0]
+            engine.lm_call(idx, forced, mask, capture=captured)
+        cache = engine.tokens.cache[slot].clone()
+    engine._reset(slot)
+    # Stored like NVIDIA's files: bf16 embeddings [N-1, 1, 1, D] and the int64 ring [1, 17, 4].
+    embeddings = torch.stack([c.reshape(1, 1, -1) for c in captured]).to(torch.bfloat16).cpu()
+    return {"embeddings": embeddings, "cache": cache.unsqueeze(0).cpu()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m engines.voice_builder",
+        description="Turn a recording of a voice into a PersonaPlex voice prompt (.pt). "
+        "A few seconds of clean speech work best; the audio is resampled to 24 kHz and "
+        "normalised to -24 LUFS first, as NVIDIA's reference does.",
+    )
+    parser.add_argument("--checkpoint", help="checkpoint directory (default: the embedded tiny demo model)")
+    parser.add_argument("--input-wav", required=True, help="recording of the voice (any rate; first channel used)")
+    parser.add_argument("--output", required=True, help="where to write the .pt (name it e.g. MYVOICE.pt)")
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    out = Path(args.output)
+    if out.suffix != ".pt":
+        parser.error("--output must end in .pt")
+    if out.exists() and not args.force:
+        parser.error(f"{out} exists; pass --force to overwrite")
+    from .factory import create_torch_engine
+
+    try:
+        engine = create_torch_engine(args.checkpoint, max_slots=1, device=args.device)
+        pcm = read_audio(args.input_wav)
+        voice = build_voice_prompt(engine, pcm)
+    except (CheckpointError, AudioInputError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(voice, out)
+    log.info("wrote %s (%d voice frames); put it in the checkpoint's voices/ directory to use it",
+             out, voice["embeddings"].shape[0] + 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

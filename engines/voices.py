@@ -1,0 +1,145 @@
+"""Voice prompts: find them by name and read the PersonaPlex ``.pt`` format.
+
+A voice ``.pt`` is a ``torch.save``d dict with
+- ``embeddings``: [N-1, 1, 1, D] summed input embeddings of the voice-prompt run (one row
+  per model call; the first of the N voice frames never reaches the model);
+- ``cache``: [1, 17, 4] the delayed-token ring at the end of that run.
+Lookup order for a name: ``<voices dir>/<name>``, ``<checkpoint>/<name>``, then the member
+of ``voices.tgz`` with that basename (the archive is read once).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import tarfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+from .interface import InvalidSessionSpec, PrefillUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VoicePrompt:
+    name: str
+    embeddings: torch.Tensor  # [N-1, D], one row per replayed model call
+    cache: torch.Tensor  # [17, 4] int64 token ring after the voice frames
+
+    @property
+    def frames(self) -> int:
+        """N: voice frames, including the first one whose call makes no model call."""
+        return self.embeddings.shape[0] + 1
+
+
+def check_voice_name(name: str) -> None:
+    """A voice is a bare ``.pt`` basename: no directories, no ``..``."""
+    if (
+        not isinstance(name, str)
+        or not name.endswith(".pt")
+        or len(name) <= 3
+        or "/" in name
+        or "\\" in name
+        or ".." in name
+        or name.startswith(".")
+        or "\x00" in name
+    ):
+        raise InvalidSessionSpec(f"invalid voice {name!r}: expected a bare '.pt' file name such as 'NATF2.pt'")
+
+
+def parse_voice_file(data: dict, dim: int, num_streams: int, source: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate a loaded voice dict; returns (embeddings [N-1, D] float32, cache [17, 4])."""
+    if not isinstance(data, dict) or "embeddings" not in data or "cache" not in data:
+        raise CheckpointError(f"{source}: a voice file must hold a dict with 'embeddings' and 'cache'")
+    emb, cache = data["embeddings"], data["cache"]
+    if not isinstance(emb, torch.Tensor) or not isinstance(cache, torch.Tensor):
+        raise CheckpointError(f"{source}: 'embeddings' and 'cache' must be tensors")
+    if emb.dim() < 2 or emb.shape[-1] != dim or emb.numel() == 0:
+        raise CheckpointError(f"{source}: 'embeddings' has shape {tuple(emb.shape)}, expected [N-1, 1, 1, {dim}]")
+    emb = emb.reshape(-1, dim)
+    if tuple(cache.shape) not in ((1, num_streams, 4), (num_streams, 4)):
+        raise CheckpointError(f"{source}: 'cache' has shape {tuple(cache.shape)}, expected [1, {num_streams}, 4]")
+    if cache.dtype.is_floating_point or not torch.isfinite(emb.float()).all():
+        raise CheckpointError(f"{source}: 'cache' must be integer and 'embeddings' finite")
+    return emb.float(), cache.reshape(num_streams, 4).long()
+
+
+class VoiceStore:
+    """Voices of one checkpoint, loaded on demand and kept (they are small)."""
+
+    def __init__(self, voices_dir: Path | None, root: Path | None, archive: Path | None, dim: int, num_streams: int) -> None:
+        self.voices_dir = voices_dir
+        self.root = root
+        self.archive = archive
+        self.dim = dim
+        self.num_streams = num_streams
+        self._archive_members: dict[str, bytes] | None = None
+        self._loaded: dict[str, VoicePrompt] = {}
+        self._registered: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _archive(self) -> dict[str, bytes]:
+        if self._archive_members is None:
+            members: dict[str, bytes] = {}
+            if self.archive is not None:
+                try:
+                    with tarfile.open(self.archive, "r:*") as tar:
+                        for m in tar.getmembers():
+                            base = Path(m.name).name
+                            if m.isfile() and base.endswith(".pt") and base not in members:
+                                f = tar.extractfile(m)
+                                if f is not None:
+                                    members[base] = f.read()
+                except (tarfile.TarError, OSError) as exc:
+                    raise CheckpointError(f"cannot read voice archive {self.archive}: {exc}") from exc
+            self._archive_members = members
+        return self._archive_members
+
+    def names(self) -> list[str]:
+        found: set[str] = set()
+        for d in (self.voices_dir, self.root):
+            if d is not None and d.is_dir():
+                found.update(p.name for p in d.glob("*.pt"))
+        found.update(self._archive())
+        found.update(self._registered)
+        return sorted(found)
+
+    def load(self, name: str) -> VoicePrompt:
+        check_voice_name(name)
+        with self._lock:
+            if name in self._loaded:
+                return self._loaded[name]
+            raw, source = self._read(name)
+            try:
+                data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            except Exception as exc:  # unpickling errors come in many types
+                raise PrefillUnavailable(f"voice {name!r} could not be read ({source}): {exc}") from exc
+            try:
+                emb, cache = parse_voice_file(data, self.dim, self.num_streams, source)
+            except CheckpointError as exc:
+                raise PrefillUnavailable(str(exc)) from exc
+            prompt = VoicePrompt(name, emb, cache)
+            self._loaded[name] = prompt
+            return prompt
+
+    def register(self, name: str, data: dict) -> None:
+        """Add an in-memory voice (e.g. one just built from a WAV) under ``name``."""
+        check_voice_name(name)
+        emb, cache = parse_voice_file(data, self.dim, self.num_streams, name)
+        with self._lock:
+            self._loaded[name] = VoicePrompt(name, emb, cache)
+            self._registered.add(name)
+
+    def _read(self, name: str) -> tuple[bytes, str]:
+        for d in (self.voices_dir, self.root):
+            if d is not None and (d / name).is_file():
+                return (d / name).read_bytes(), str(d / name)
+        members = self._archive()
+        if name in members:
+            return members[name], f"{self.archive}:{name}"
+        raise InvalidSessionSpec(f"unknown voice {name!r}; available: {', '.join(self.names()) or 'none'}")

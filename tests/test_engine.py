@@ -1,0 +1,172 @@
+"""The batched engine on the tiny checkpoint: prefill, isolation, reset, sampling, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engines import checkpoint as ckpt
+from engines.engine import EngineOptions, PersonaPlexEngine
+from engines.interface import InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec
+
+GREEDY = SamplingParams(greedy=True)
+FRAMES = 40
+
+
+def make_engine(checkpoint, slots: int = 4, **options) -> PersonaPlexEngine:
+    return PersonaPlexEngine.from_files(ckpt.locate(checkpoint), slots, EngineOptions(**options))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return make_engine(tiny_checkpoint)
+
+
+def speech_frames(speech_pcm: np.ndarray, start_s: float, frames: int = FRAMES) -> np.ndarray:
+    start = int(start_s * 24000)
+    return speech_pcm[start : start + frames * 1920].reshape(frames, 1920)
+
+
+def run(engine, slots, inputs):
+    """Step ``slots`` together; ``inputs`` [len(slots), F, 1920] -> (text ids, pcm) per slot."""
+    text = [[] for _ in slots]
+    pcm = [[] for _ in slots]
+    for f in range(inputs.shape[1]):
+        for i, out in enumerate(engine.step(slots, inputs[:, f])):
+            text[i].append(out.text_id)
+            pcm[i].append(out.pcm)
+    return [(t, np.concatenate(p)) for t, p in zip(text, pcm)]
+
+
+def close_all(engine):
+    for slot in list(engine._specs):
+        engine.close_slot(slot)
+
+
+def test_parallel_prefill_equals_stepwise_prefill(engine, speech_pcm):
+    close_all(engine)
+    spec = SessionSpec(voice="NATM1.pt", persona="You enjoy having a good conversation.", sampling=GREEDY)
+    a = engine.open_slot(spec)
+    b = engine.open_slot(spec)
+    engine.prefill_stepwise(b, spec)
+    # The prompt is longer than the tiny 32-position window, so the ring wrapped.
+    offset = int(engine.tokens.offset[a])
+    assert offset == int(engine.tokens.offset[b]) > engine.cfg.context
+    assert torch.equal(engine.tokens.cache[a], engine.tokens.cache[b])
+    assert torch.equal(engine.tokens.provided[a], engine.tokens.provided[b])
+    assert int(engine.kv.length[a]) == int(engine.kv.length[b]) == offset - 1
+    ka, va = engine.kv.export(a, offset - 1 - engine.cfg.context, offset - 1)
+    kb, vb = engine.kv.export(b, offset - 1 - engine.cfg.context, offset - 1)
+    assert torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
+    frames = speech_frames(speech_pcm, 3.0)
+    (ta, pa), (tb, pb) = run(engine, [a, b], np.stack([frames, frames]))
+    assert ta == tb
+    assert np.allclose(pa, pb, atol=1e-4)
+    close_all(engine)
+
+
+def test_batch_equals_sessions_run_alone(tiny_checkpoint, engine, speech_pcm):
+    close_all(engine)
+    specs = [
+        SessionSpec(voice="NATF2.pt", sampling=GREEDY),
+        SessionSpec(voice="VARF0.pt", persona="You are a cheerful travel assistant.", seed=11),
+        SessionSpec(voice="NATM1.pt", persona="You are a calm and precise assistant.", seed=12),
+    ]
+    inputs = np.stack([speech_frames(speech_pcm, s) for s in (1.0, 9.0, 17.0)])
+    slots = [engine.open_slot(s) for s in specs]
+    together = run(engine, slots, inputs)
+    close_all(engine)
+    alone = []
+    for spec, frames in zip(specs, inputs):
+        fresh = make_engine(tiny_checkpoint, slots=1)
+        alone.append(run(fresh, [fresh.open_slot(spec)], frames[None])[0])
+    for (t1, p1), (t2, p2) in zip(together, alone):
+        assert t1 == t2
+        # Bit for bit: the CPU path is batch-invariant (layers.linear, mimi.ops).
+        assert np.array_equal(p1, p2)
+    assert together[1][0] != together[2][0]  # the sessions really differ
+
+
+def test_subset_steps_leave_other_slots_untouched(engine, speech_pcm):
+    close_all(engine)
+    spec = SessionSpec(sampling=GREEDY)
+    a, b = engine.open_slot(spec), engine.open_slot(spec)
+    frames = speech_frames(speech_pcm, 5.0)
+    reference = run(engine, [a], frames[None])[0]
+    engine.restart_slot(a)
+    first = run(engine, [a], frames[None, :10])[0]
+    run(engine, [b], speech_frames(speech_pcm, 20.0, 15)[None])  # only b advances
+    rest = run(engine, [a], frames[None, 10:])[0]
+    assert first[0] + rest[0] == reference[0]
+    assert np.allclose(np.concatenate([first[1], rest[1]]), reference[1], atol=1e-5)
+    close_all(engine)
+
+
+def test_reset_slot_behaves_like_a_fresh_one(engine, speech_pcm):
+    close_all(engine)
+    spec = SessionSpec(voice="VARF0.pt", seed=7)
+    frames = speech_frames(speech_pcm, 2.0)
+    slot = engine.open_slot(spec)
+    fresh = run(engine, [slot], frames[None])[0]
+    run(engine, [slot], speech_frames(speech_pcm, 30.0)[None])  # more context
+    engine.restart_slot(slot)
+    again = run(engine, [slot], frames[None])[0]
+    assert fresh[0] == again[0]
+    assert np.allclose(fresh[1], again[1], atol=1e-6)
+    engine.close_slot(slot)
+    reopened = engine.open_slot(spec)
+    assert run(engine, [reopened], frames[None])[0][0] == fresh[0]
+    close_all(engine)
+
+
+def test_seed_determines_sampling(engine, speech_pcm):
+    close_all(engine)
+    frames = speech_frames(speech_pcm, 12.0)
+    outs = {}
+    for seed in (1, 1, 2):
+        slot = engine.open_slot(SessionSpec(seed=seed))
+        outs.setdefault(seed, []).append(run(engine, [slot], frames[None])[0][0])
+        engine.close_slot(slot)
+    assert outs[1][0] == outs[1][1]
+    assert outs[1][0] != outs[2][0]
+
+
+def test_outputs_are_whole_finite_frames(engine, speech_pcm):
+    close_all(engine)
+    slot = engine.open_slot(SessionSpec(seed=3))
+    (text, pcm), = run(engine, [slot], speech_frames(speech_pcm, 0.0, 25)[None])
+    assert pcm.shape == (25 * 1920,) and pcm.dtype == np.float32
+    assert np.isfinite(pcm).all() and pcm.std() > 1e-3
+    assert all(0 <= t < engine.cfg.text_card for t in text)
+    # The first live frame is the last (forced) prompt frame: PAD text.
+    assert text[0] == 3
+    close_all(engine)
+
+
+def test_slot_errors(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint, slots=1)
+    with pytest.raises(InvalidSessionSpec, match="unknown voice"):
+        engine.open_slot(SessionSpec(voice="NOPE.pt"))
+    with pytest.raises(InvalidSessionSpec, match="bare"):
+        engine.open_slot(SessionSpec(voice="../model.safetensors"))
+    slot = engine.open_slot(SessionSpec())
+    with pytest.raises(NoFreeSlot):
+        engine.open_slot(SessionSpec())
+    with pytest.raises(ValueError, match="shape"):
+        engine.step([slot], np.zeros((1, 100), np.float32))
+    engine.close_slot(slot)
+    assert engine.free_slots() == 1
+    with pytest.raises(ValueError, match="not open"):
+        engine.step([slot], np.zeros((1, 1920), np.float32))
+
+
+def test_sixteen_step_depformer_gives_the_same_agent_audio(tiny_checkpoint, speech_pcm):
+    """User-side depformer steps are dead compute: running all 16 changes nothing (greedy)."""
+    frames = speech_frames(speech_pcm, 4.0, 20)[None]
+    results = []
+    for steps in (8, 16):
+        eng = make_engine(tiny_checkpoint, slots=1, depformer_steps=steps)
+        results.append(run(eng, [eng.open_slot(SessionSpec(sampling=GREEDY))], frames)[0])
+    assert results[0][0] == results[1][0]
+    assert np.allclose(results[0][1], results[1][1], atol=1e-5)
