@@ -25,7 +25,8 @@ from .lm import MoshiLM
 from .mimi import MimiCodec
 from .modules.kv_ring import SlotKVRing, WindowMode
 from .prefill import Prefill, PrefillCache, build_prefill, prompt_frames, voice_replay_frame
-from .sampling import SamplingBatch, exponential_noise, sample_tokens
+from .profiling import StageClock
+from .sampling import STATIC_TOP_K, SamplingBatch, exponential_noise, sample_tokens
 from .token_state import TokenState
 from .tokenizer import TextTokenizer
 from .voices import VoiceStore, check_voice_name
@@ -41,6 +42,12 @@ class EngineOptions:
     # 16 reproduces the reference's full depformer for conformance checks.
     depformer_steps: int = 8
     prefill_cache_entries: int = 16
+    # On CUDA, live ticks replay CUDA graphs captured per batch bucket (padded with the
+    # scratch slot); buckets above the slot count are dropped.
+    cuda_graphs: bool = True
+    # LM weight/activation dtype: None = float32 on CPU (the exact path), bfloat16 elsewhere.
+    lm_dtype: str | None = None
+    graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160)
 
     def __post_init__(self) -> None:
         if self.window not in WindowMode.ALL:
@@ -65,8 +72,9 @@ class _SlotSettings:
         s = spec.sampling
         self.temp_text[slot] = s.temp_text
         self.temp_audio[slot] = s.temp_audio
-        self.topk_text[slot] = s.topk_text
-        self.topk_audio[slot] = s.topk_audio
+        # Wider top-k than the graphs' static width samples from that width (see sampling).
+        self.topk_text[slot] = min(s.topk_text, STATIC_TOP_K)
+        self.topk_audio[slot] = min(s.topk_audio, STATIC_TOP_K)
         self.greedy[slot] = s.greedy
         seed = spec.seed if spec.seed is not None else secrets.randbits(62)
         self.seed[slot] = int(seed) & ((1 << 63) - 1)
@@ -105,6 +113,15 @@ class PersonaPlexEngine:
         self.prefills = PrefillCache(options.prefill_cache_entries)
         self._specs: dict[int, SessionSpec] = {}
         self._free = list(range(num_slots))
+        self.clock = StageClock()  # per-stage timing for benchmarks (GPU only)
+        # Accelerators sample with static shapes and no host sync (graph capture); the CPU
+        # path keeps the cheaper data-dependent sampling.
+        self._static_sampling = self.device.type == "cuda"
+        self.graphs = None
+        if self.device.type == "cuda" and options.cuda_graphs:
+            from .gpu.graphs import TickGraphs
+
+            self.graphs = TickGraphs(self, options.graph_buckets)
         self.info = EngineInfo(
             model=model_name,
             backend="torch",
@@ -123,7 +140,10 @@ class PersonaPlexEngine:
         is_demo: bool = False,
     ) -> "PersonaPlexEngine":
         device = torch.device(options.device)
-        lm_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        if options.lm_dtype is not None:
+            lm_dtype = getattr(torch, options.lm_dtype)
+        else:
+            lm_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         cfg = files.lm_config
         lm = MoshiLM(cfg, options.depformer_steps)
         log.info("loading LM weights from %s", files.lm_weights)
@@ -156,16 +176,18 @@ class PersonaPlexEngine:
         if prefill is None:
             voice = self.voice_store.load(spec.voice)
             with torch.inference_mode():
-                prefill = build_prefill(self.lm, self.kv, self.tokens, voice, persona,
+                prefill = build_prefill(self.lm, self.kv, voice, persona,
                                         self.options.window, scratch_slot=self.scratch)
             self.prefills.put(key, prefill)
             log.info("prefill for voice %s and a %d-token persona: %d positions",
                      spec.voice, len(persona), prefill.positions)
         return prefill
 
-    def open_slot(self, spec: SessionSpec) -> int:
-        self.validate(spec)
-        prefill = self.prepare(spec)
+    def open_slot(self, spec: SessionSpec, prefill: Prefill | None = None) -> int:
+        """``prefill`` overrides the computed system prompt (benchmarks fill windows this way)."""
+        if prefill is None:
+            self.validate(spec)
+            prefill = self.prepare(spec)
         if not self._free:
             raise NoFreeSlot(f"all {self.num_slots} session slots are in use")
         slot = self._free.pop(0)
@@ -199,14 +221,31 @@ class PersonaPlexEngine:
             self._spec(s)
         if len(set(slots)) != len(slots):
             raise ValueError("a slot may appear only once per step")
-        idx = torch.tensor(list(slots), device=self.device, dtype=torch.long)
-        with torch.inference_mode():
-            user_codes = self.mimi.encode_step(idx, torch.from_numpy(pcm).to(self.device))
-            out = self.step_tokens(idx, user_codes)
-            agent_pcm = self.mimi.decode_step(idx, out[:, 1 : 1 + self.cfg.audio_codebooks])
-        text_ids = out[:, 0].tolist()
-        audio = agent_pcm.float().cpu().numpy()
+        if self.graphs is not None:
+            audio, text_ids = self.graphs.run(list(slots), pcm)
+        else:
+            idx = torch.tensor(list(slots), device=self.device, dtype=torch.long)
+            with torch.inference_mode():
+                self.clock.start()
+                agent_pcm, text = self.live_tick(idx, torch.from_numpy(pcm).to(self.device))
+            text_ids = text.tolist()  # the tick's one host synchronisation
+            audio = agent_pcm.float().cpu().numpy()
         return [FrameOutput(audio[i], t, self.tokenizer.transcript_piece(t)) for i, t in enumerate(text_ids)]
+
+    def live_tick(self, slots: torch.Tensor, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode -> LM -> depformer -> decode for live ``slots`` [B] with ``pcm`` [B, 1920].
+
+        Device tensors in and out (agent pcm [B, 1920], text ids [B]); no validation and no
+        host synchronisation, so it can be captured in a CUDA graph.
+        """
+        user_codes = self.mimi.encode_step_unchecked(slots, pcm)
+        self.clock.mark("mimi_encode")
+        out = self.step_tokens(slots, user_codes)
+        # Rows of the scratch slot (graph padding) may hold placeholder ids: clamp for Mimi.
+        agent = out[:, 1 : 1 + self.cfg.audio_codebooks].clamp(0, self.cfg.card - 1)
+        agent_pcm = self.mimi.decode_step_unchecked(slots, agent)
+        self.clock.mark("mimi_decode")
+        return agent_pcm, out[:, 0]
 
     # Lower-level operations (also used by the offline CLI, voice builder and tests) ------------
     def step_tokens(self, slots: torch.Tensor, user_codes: torch.Tensor) -> torch.Tensor:
@@ -218,10 +257,7 @@ class PersonaPlexEngine:
         half = cfg.audio_codebooks
         forced[:, 1 + half :] = user_codes
         mask[:, 1 + half :] = True
-        out = self.lm_call(slots, forced, mask)
-        if out is None:
-            raise RuntimeError("live step on a slot without a system prompt")
-        return out
+        return self.lm_call(slots, forced, mask, live=True)
 
     def lm_call(
         self,
@@ -230,21 +266,23 @@ class PersonaPlexEngine:
         mask: torch.Tensor,
         embeddings: torch.Tensor | None = None,
         capture: list[torch.Tensor] | None = None,
+        live: bool = False,
     ) -> torch.Tensor | None:
         """One call of the PersonaPlex loop (model.md 3.2) for slots in the same phase.
 
         ``forced``/``mask`` [B, 17] teacher-force this call's frame; ``embeddings`` [B, D]
         replaces the token embedding of the input position (voice replay); the input
         embedding of a model call is appended to ``capture`` when given (voice building).
+        ``live`` slots are past their system prompt: no phase checks, no host synchronisation.
         """
-        cfg = self.cfg
         self.tokens.force(slots, forced, mask)
-        offsets = self.tokens.offset[slots]
-        if bool((offsets == 0).all()):
-            self.tokens.skip_call(slots)
-            return None
-        if bool((offsets == 0).any()):
-            raise RuntimeError("slots in different start-up phases cannot share a call")
+        if not live:
+            offsets = self.tokens.offset[slots]
+            if bool((offsets == 0).all()):
+                self.tokens.skip_call(slots)
+                return None
+            if bool((offsets == 0).any()):
+                raise RuntimeError("slots in different start-up phases cannot share a call")
         model_input, target, target_forced = self.tokens.begin_call(slots)
         if embeddings is None:
             x = self.lm.embed_tokens(model_input.unsqueeze(1))
@@ -254,6 +292,7 @@ class PersonaPlexEngine:
             capture.append(x)
         hidden = self.lm.temporal(slots, x, self.kv, self.options.window)[:, 0]
         text = self._sample(slots, 0, self.lm.text_logits(hidden), text=True)
+        self.clock.mark("temporal")
         text_in = torch.where(target_forced[:, 0], target[:, 0], text)
         steps = self.lm.depformer_steps
         audio = self.lm.depformer(
@@ -262,7 +301,9 @@ class PersonaPlexEngine:
             self.options.window,
         )
         self.settings.counter[slots] += 1
-        return self.tokens.end_call(slots, text, audio)
+        out = self.tokens.end_call(slots, text, audio, live=live)
+        self.clock.mark("depformer")
+        return out
 
     def _sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
         st = self.settings
@@ -271,6 +312,9 @@ class PersonaPlexEngine:
             top_k=(st.topk_text if text else st.topk_audio)[slots],
             greedy=st.greedy[slots],
         )
+        if self._static_sampling:
+            noise = exponential_noise(st.seed[slots], st.counter[slots], stream, logits.shape[-1])
+            return sample_tokens(logits, batch, noise, k_max=STATIC_TOP_K)
         noise = None
         if not bool(batch.greedy.all()):
             noise = exponential_noise(st.seed[slots], st.counter[slots], stream, logits.shape[-1])

@@ -76,18 +76,21 @@ def _frame_tensor(frame: PromptFrame, device: torch.device) -> torch.Tensor:
 def build_prefill(
     lm: MoshiLM,
     kv: SlotKVRing,
-    tokens: TokenState,
     voice: VoicePrompt | None,
     persona_tokens: Sequence[int],
     window: str,
     scratch_slot: int = 0,
 ) -> Prefill:
-    """Compute the prefill in one temporal pass using ``scratch_slot`` of ``kv``/``tokens``."""
+    """Compute the prefill in one temporal pass using ``scratch_slot`` of ``kv``.
+
+    The token bookkeeping of the prompt runs on the CPU (hundreds of tiny steps that would
+    each be a kernel launch on a GPU); only the transformer pass runs on ``lm``'s device.
+    """
     cfg = lm.cfg
-    device = lm.device
-    slot = torch.tensor([scratch_slot], device=device)
-    kv.reset(slot)
-    tokens.reset(slot)
+    device = torch.device("cpu")
+    tokens = TokenState(cfg, 1, device=device)
+    slot = torch.tensor([0])
+    kv.reset(torch.tensor([scratch_slot], device=lm.device))
     all_forced = torch.ones(1, cfg.num_streams, dtype=torch.bool, device=device)
     no_samples = (torch.zeros(1, dtype=torch.long, device=device),
                   torch.zeros(1, cfg.dep_q, dtype=torch.long, device=device))
@@ -95,7 +98,7 @@ def build_prefill(
 
     def run_frame(frame: PromptFrame, record: bool) -> None:
         tokens.force(slot, _frame_tensor(frame, device), all_forced)
-        if int(tokens.offset[scratch_slot]) == 0:
+        if int(tokens.offset[0]) == 0:
             tokens.skip_call(slot)
             return
         model_input, _, _ = tokens.begin_call(slot)
@@ -109,8 +112,8 @@ def build_prefill(
         dummy = voice_replay_frame(cfg)
         for _ in range(voice.frames):
             run_frame(dummy, record=False)
-        tokens.cache[scratch_slot] = voice.cache.to(device)
-        voice_embeddings = voice.embeddings.to(device=device, dtype=lm.dtype)
+        tokens.cache[0] = voice.cache
+        voice_embeddings = voice.embeddings.to(device=lm.device, dtype=lm.dtype)
     for frame in prompt_frames(persona_tokens):
         run_frame(frame, record=True)
 
@@ -118,14 +121,14 @@ def build_prefill(
     if voice_embeddings is not None:
         parts.append(voice_embeddings)
     if inputs:
-        parts.append(lm.embed_tokens(torch.cat(inputs, dim=0).unsqueeze(0))[0])
+        parts.append(lm.embed_tokens(torch.cat(inputs, dim=0).to(lm.device).unsqueeze(0))[0])
     x = torch.cat(parts, dim=0).unsqueeze(0)
     with torch.no_grad():
-        lm.temporal(slot, x, kv, window)
+        lm.temporal(torch.tensor([scratch_slot], device=lm.device), x, kv, window)
     total = x.shape[1]
     start = max(0, total - kv.capacity)
     keys, values = kv.export(scratch_slot, start, total)
-    cache, provided, offset = tokens.snapshot(scratch_slot)
+    cache, provided, offset = tokens.snapshot(0)
     return Prefill(keys, values, start, cache, provided, offset)
 
 

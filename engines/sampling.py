@@ -48,14 +48,25 @@ class SamplingBatch:
     greedy: torch.Tensor  # [B] bool
 
 
-def sample_tokens(logits: torch.Tensor, settings: SamplingBatch, noise: torch.Tensor | None) -> torch.Tensor:
-    """Draw one token per row of ``logits`` [B, V] (float32)."""
+# Graph-captured ticks need a static top-k width: larger per-session values are clamped.
+STATIC_TOP_K = 2048
+
+
+def sample_tokens(logits: torch.Tensor, settings: SamplingBatch, noise: torch.Tensor | None,
+                  k_max: int | None = None) -> torch.Tensor:
+    """Draw one token per row of ``logits`` [B, V] (float32).
+
+    ``k_max`` fixes the top-k width (no host synchronisation, as CUDA graphs need);
+    ``None`` derives it from the rows' settings.
+    """
     greedy_tokens = torch.argmax(logits, dim=-1)
     if noise is None:
         return greedy_tokens
     temp = settings.temperature.clamp(min=1e-6).view(-1, 1)
     probs = torch.softmax(logits / temp, dim=-1)
-    k_max = int(min(int(settings.top_k.max()), logits.shape[-1]))
+    if k_max is None:
+        k_max = int(settings.top_k.max())
+    k_max = min(k_max, logits.shape[-1])
     top_p, top_i = torch.topk(probs, k_max, dim=-1)
     rank = torch.arange(k_max, device=logits.device).view(1, -1)
     top_p = torch.where(rank < settings.top_k.view(-1, 1), top_p, torch.zeros_like(top_p))

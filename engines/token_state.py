@@ -24,6 +24,9 @@ class TokenState:
         self.cache = torch.full((num_slots, cfg.num_streams, RING), -2, device=device, dtype=torch.long)
         self.provided = torch.zeros((num_slots, cfg.num_streams, RING), device=device, dtype=torch.bool)
         self.offset = torch.zeros(num_slots, device=device, dtype=torch.long)
+        # A device-side False: assigning a Python scalar through advanced indexing copies a
+        # CPU tensor, which CUDA graph capture forbids.
+        self._false = torch.zeros((), device=device, dtype=torch.bool)
 
     def reset(self, slots: torch.Tensor) -> None:
         self.cache[slots] = -2  # the "ungenerated" marker; never reaches the model
@@ -66,24 +69,26 @@ class TokenState:
         self.provided[s, k, 0] = True
         self.offset[slots] += 1
 
-    def end_call(self, slots: torch.Tensor, text: torch.Tensor, audio: torch.Tensor) -> torch.Tensor | None:
+    def end_call(self, slots: torch.Tensor, text: torch.Tensor, audio: torch.Tensor,
+                 live: bool = False) -> torch.Tensor | None:
         """Store the samples (text [B], audio [B, n]) where not forced and advance.
 
         Returns the de-delayed frame s-1 [B, 17], or None while offset <= max_delay (all slots
-        of one call must be in the same phase, which the engine guarantees).
+        of one call must be in the same phase, which the engine guarantees).  ``live`` slots
+        are known to be past start-up: no check, no host synchronisation.
         """
         s, k = self._rows(slots)
         off = self.offset[slots]
         prev = torch.remainder(off - 1, RING)
         cur = torch.remainder(off, RING)
-        self.provided[slots.view(-1, 1), k, prev.view(-1, 1)] = False
+        self.provided[slots.view(-1, 1), k, prev.view(-1, 1)] = self._false
         n = audio.shape[1]
         samples = torch.cat([text.view(-1, 1), audio], dim=1)  # streams 0..n
         rows = k[:, : n + 1]
         cur_b = cur.view(-1, 1).expand(-1, n + 1)
         keep = self.provided[s, rows, cur_b]
         self.cache[s, rows, cur_b] = torch.where(keep, self.cache[s, rows, cur_b], samples)
-        emit = bool((off > self.cfg.max_delay).all())
+        emit = live or bool((off > self.cfg.max_delay).all())
         if not emit and bool((off > self.cfg.max_delay).any()):
             raise RuntimeError("slots in different start-up phases cannot share a call")
         out = None

@@ -139,6 +139,13 @@ class MimiCodec(nn.Module):
         self._check_pcm(pcm, frames_for=slots.numel())
         if slots.numel() == 0:
             return torch.zeros(0, self.num_codebooks, dtype=torch.long, device=self.device)
+        return self.encode_step_unchecked(slots, pcm)
+
+    def encode_step_unchecked(self, slots: torch.Tensor, pcm: torch.Tensor) -> torch.Tensor:
+        """``encode_step`` without validation (no host synchronisation: CUDA-graph safe).
+
+        ``slots`` must be a device LongTensor; a slot may repeat only if its state is scratch.
+        """
         return self.quantizer.encode(self._latent_step(slots, pcm))[:, :, 0]
 
     def _latent_step(self, slots: torch.Tensor, pcm: torch.Tensor) -> torch.Tensor:
@@ -155,6 +162,10 @@ class MimiCodec(nn.Module):
         self._check_codes(codes, (slots.numel(), self.num_codebooks))
         if slots.numel() == 0:
             return torch.zeros(0, self.frame_samples, dtype=self.dtype, device=self.device)
+        return self.decode_step_unchecked(slots, codes)
+
+    def decode_step_unchecked(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """``decode_step`` without validation (CUDA-graph safe); codes must be in range."""
         latent = self.quantizer.decode(codes.to(self.device, torch.long).unsqueeze(-1))
         if self.upsample is not None:
             latent = self.upsample(latent, slots)

@@ -74,7 +74,7 @@ class SlotConv1d(nn.Module):
             x = torch.cat([self._left_context(x, slots), x], dim=-1)
             if slots is not None:
                 self.history[slots] = x[..., -self.context:]
-                self.fresh[slots] = False
+                self.fresh.index_fill_(0, slots, False)  # no host tensor: CUDA-graph safe
         return ops.conv1d(x, self.weight, self.bias, self.stride, self.dilation, self.groups,
                           batch_invariant=slots is not None)
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..gpu import attention as gpu_attention
+
 
 class WindowMode:
     """How many past keys a streaming query sees once the ring has wrapped."""
@@ -103,6 +105,12 @@ class SlotKVRing:
         B, H, T, D = k.shape
         C = self.capacity
         lk, lv = self.keys[layer], self.values[layer]
+        if T == 1 and gpu_attention.available(q.device):
+            # Decode step on a GPU: read each slot's window in place instead of gathering it.
+            lk[slots, :, torch.remainder(positions[:, 0], C)] = k[:, :, 0]
+            lv[slots, :, torch.remainder(positions[:, 0], C)] = v[:, :, 0]
+            out = gpu_attention.decode_attention(q[:, :, 0], lk, lv, slots, positions[:, 0], lo.reshape(B, -1)[:, 0])
+            return out.unsqueeze(2)
         if T <= C:
             ring_idx = torch.remainder(positions, C)  # [B, T]
             slot_idx = slots.view(-1, 1).expand(B, T)

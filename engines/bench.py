@@ -1,0 +1,286 @@
+"""GPU tick benchmark at PersonaPlex-7B shapes with random weights, with a baseline.
+
+    python -m engines.bench --batch-sizes 1,8,32,64 --ticks 100 --output bench.json [--baseline]
+
+For each batch size B it opens B sessions whose temporal windows are already full (3000
+positions), then times >= ``--ticks`` lockstep ticks (Mimi encode -> temporal -> depformer
+-> Mimi decode, plus the hand-back to the host) and reports p50/p99 of the whole tick
+and of each stage (CUDA events), GPU memory, and the cold prefill time of a typical
+voice + persona.  ``--baseline`` runs, in the same process, the upstream PyPI ``moshi``
+package's ``LMGen`` (its own CUDA graphs, 16-step depformer, greedy) at the same shapes
+plus its streaming Mimi: what users of the upstream package run today.  Weight values do
+not change the cost, so random bf16 weights stand in for the gated real ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import FRAME_SAMPLES, LMConfig, MimiConfig
+from .engine import EngineOptions, PersonaPlexEngine
+from .interface import SamplingParams, SessionSpec
+from .lm import MoshiLM
+from .mimi import MimiCodec
+from .prefill import Prefill, build_prefill
+from .tokenizer import TextTokenizer
+from .voices import VoicePrompt, VoiceStore
+
+log = logging.getLogger("engines.bench")
+
+
+def _fill_random_(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name or "layer_scale" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def random_lm(cfg: LMConfig, steps: int, device: torch.device, dtype: torch.dtype, seed: int = 0) -> MoshiLM:
+    with torch.device("meta"):
+        lm = MoshiLM(cfg, steps)
+    lm = lm.to(dtype=dtype).to_empty(device=device)
+    _fill_random_(lm, seed)
+    return lm.eval()
+
+
+def random_mimi(cfg: MimiConfig, num_slots: int, device: torch.device, seed: int = 1) -> MimiCodec:
+    mimi = MimiCodec(cfg, num_slots, device=device)
+    _fill_random_(mimi, seed)
+    return mimi.eval()
+
+
+def build_random_engine(num_slots: int, device: str, tokenizer_path: Path, steps: int = 8,
+                        lm_cfg: LMConfig = LMConfig(), mimi_cfg: MimiConfig = MimiConfig(),
+                        cuda_graphs: bool = True) -> PersonaPlexEngine:
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    lm = random_lm(lm_cfg, steps, dev, dtype)
+    mimi = random_mimi(mimi_cfg, num_slots + 1, dev)
+    voices = VoiceStore(None, None, None, lm_cfg.dim, lm_cfg.num_streams)
+    return PersonaPlexEngine(lm, mimi, TextTokenizer(tokenizer_path), voices, num_slots,
+                             EngineOptions(device=device, depformer_steps=steps, cuda_graphs=cuda_graphs),
+                             model_name="random-7b-shapes")
+
+
+def typical_voice(cfg: LMConfig, frames: int = 60, seed: int = 2) -> VoicePrompt:
+    """A voice prompt of the real format: ``frames`` frames of random embeddings."""
+    gen = torch.Generator().manual_seed(seed)
+    emb = torch.randn(frames - 1, cfg.dim, generator=gen) * 0.02
+    cache = torch.tensor(cfg.initial_tokens()).view(-1, 1).repeat(1, 4)
+    return VoicePrompt("bench.pt", emb, cache)
+
+
+def full_window_prefill(engine: PersonaPlexEngine, base: Prefill) -> Prefill:
+    """``base``'s token state, moved to a position past the window, with random keys/values
+    for every position the window holds: the cost of a session after 4 minutes."""
+    cfg = engine.cfg
+    C = engine.kv.capacity
+    shift = 4 * math.ceil(max(0, C + 1 - base.offset) / 4)  # keeps the 4-slot token ring aligned
+    offset = base.offset + shift
+    positions = offset - 1
+    shape = (cfg.num_layers, cfg.num_heads, min(positions, C), cfg.head_dim)
+    keys = torch.randn(shape, device=engine.device, dtype=engine.lm.dtype) * 0.1
+    return Prefill(keys, torch.randn_like(keys), positions - shape[2], base.token_cache, base.token_provided, offset)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q, method="linear"))
+
+
+def bench_ours(engine: PersonaPlexEngine, batch_sizes: list[int], ticks: int, warmup: int,
+               prefill: Prefill, speech: np.ndarray) -> list[dict]:
+    results = []
+    spec = SessionSpec(sampling=SamplingParams(greedy=True), seed=0)
+    for B in batch_sizes:
+        for slot in list(engine._specs):
+            engine.close_slot(slot)
+        try:
+            results.append(_bench_one(engine, B, spec, ticks, warmup, prefill, speech))
+        except torch.cuda.OutOfMemoryError:
+            log.warning("ours B=%d: out of GPU memory", B)
+            results.append({"batch": B, "error": "out of memory"})
+    for slot in list(engine._specs):
+        engine.close_slot(slot)
+    return results
+
+
+def _bench_one(engine: PersonaPlexEngine, B: int, spec: SessionSpec, ticks: int, warmup: int,
+               prefill: Prefill, speech: np.ndarray) -> dict:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    slots = [engine.open_slot(spec, prefill=prefill) for _ in range(B)]
+    totals, stages = [], {}
+    for t in range(warmup + ticks):
+        start = (t * FRAME_SAMPLES) % (speech.shape[0] - FRAME_SAMPLES)
+        pcm = np.repeat(speech[None, start : start + FRAME_SAMPLES], B, axis=0)
+        engine.clock.enabled = t >= warmup
+        t0 = time.perf_counter()
+        engine.step(slots, pcm)  # returns host numpy: includes the hand-back sync
+        elapsed = (time.perf_counter() - t0) * 1e3
+        if t >= warmup:
+            totals.append(elapsed)
+            for name, ms in engine.clock.durations_ms().items():
+                stages.setdefault(name, []).append(ms)
+    engine.clock.enabled = False
+    row = {
+        "batch": B,
+        "tick_ms_p50": _percentile(totals, 50),
+        "tick_ms_p99": _percentile(totals, 99),
+        "stages_ms_p50": {k: _percentile(v, 50) for k, v in stages.items()},
+        "stages_ms_p99": {k: _percentile(v, 99) for k, v in stages.items()},
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "ticks": len(totals),
+    }
+    log.info("ours B=%d: tick p50 %.2f ms p99 %.2f ms %s", B, row["tick_ms_p50"], row["tick_ms_p99"],
+             {k: round(v, 2) for k, v in row["stages_ms_p50"].items()})
+    return row
+
+
+def bench_prefill(engine: PersonaPlexEngine, voice: VoicePrompt, persona_tokens: list[int]) -> dict:
+    for _ in range(2):  # the first call pays allocator and kernel warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with torch.inference_mode():
+            p = build_prefill(engine.lm, engine.kv, voice, persona_tokens,
+                              engine.options.window, scratch_slot=engine.scratch)
+        end.record()
+        end.synchronize()
+    return {"voice_frames": voice.frames, "persona_tokens": len(persona_tokens),
+            "positions": p.positions, "gpu_ms": start.elapsed_time(end)}
+
+
+def bench_baseline(batch_sizes: list[int], ticks: int, warmup: int, speech: np.ndarray) -> list[dict]:
+    """Upstream moshi 0.2.13 at PersonaPlex shapes: LMGen (CUDA graphs, 16 depformer steps,
+    greedy) + streaming Mimi encode/decode, random bf16 weights."""
+    import os
+
+    os.environ.setdefault("NO_TORCH_COMPILE", "1")
+    from moshi.models import LMGen, loaders
+    from moshi.models.lm import LMModel
+
+    kwargs = dict(loaders._lm_kwargs, dep_q=16)
+    with torch.device("meta"):
+        lm = LMModel(dtype=torch.bfloat16, **kwargs)
+    lm = lm.to_empty(device="cuda")
+    _fill_random_(lm, 3)
+    lm.eval()
+    mimi = loaders.get_mimi(None, device="cuda")
+    results = []
+    for B in batch_sizes:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        gen = LMGen(lm, use_sampling=False)
+        totals = []
+        with torch.no_grad(), gen.streaming(B), mimi.streaming(B):
+            for t in range(warmup + ticks):
+                start = (t * FRAME_SAMPLES) % (speech.shape[0] - FRAME_SAMPLES)
+                pcm = torch.from_numpy(np.repeat(speech[None, None, start : start + FRAME_SAMPLES], B, axis=0)).cuda()
+                t0 = time.perf_counter()
+                codes = mimi.encode(pcm)
+                out = gen.step(codes[:, :0])  # PersonaPlex shapes: 16 depformer steps, no user rows
+                if out is not None:
+                    pcm_out = mimi.decode(out[:, 1:9].clamp(0, 2047))
+                    pcm_out.cpu()
+                else:
+                    torch.cuda.synchronize()
+                if t >= warmup:
+                    totals.append((time.perf_counter() - t0) * 1e3)
+        row = {"batch": B, "tick_ms_p50": _percentile(totals, 50), "tick_ms_p99": _percentile(totals, 99),
+               "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "ticks": len(totals)}
+        log.info("baseline B=%d: tick p50 %.2f ms p99 %.2f ms", B, row["tick_ms_p50"], row["tick_ms_p99"])
+        results.append(row)
+        del gen
+    return results
+
+
+def _git_revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engines.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", default="1,8,32,64", help="comma-separated B values (default 1,8,32,64)")
+    parser.add_argument("--ticks", type=int, default=100, help="timed ticks per B (default 100)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed ticks per B first (default 5)")
+    parser.add_argument("--depformer-steps", type=int, choices=(8, 16), default=8)
+    parser.add_argument("--baseline", action="store_true", help="also run the upstream moshi package (must be importable)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="run ticks eagerly (gives the per-stage split; graphed ticks report the whole tick)")
+    parser.add_argument("--speech", default=None, help="24 kHz speech WAV fed as user audio (default: synthetic)")
+    parser.add_argument("--output", required=True, help="JSON file to write")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    if not torch.cuda.is_available():
+        print("error: the benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.speech:
+        from .audio_io import read_audio
+
+        speech = read_audio(args.speech)
+    else:
+        speech = (0.1 * np.sin(np.arange(24000 * 4) * 2 * np.pi * 220 / 24000)).astype(np.float32)
+    import tempfile
+
+    from .tiny import train_tokenizer
+
+    # Text pieces are only looked up, never timed: the tiny tokenizer does.
+    tokenizer = Path(tempfile.mkdtemp()) / "tokenizer.model"
+    train_tokenizer(tokenizer)
+    report = {
+        "command": " ".join([sys.executable, "-m", "engines.bench", *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_revision": _git_revision(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "parameters": vars(args),
+    }
+    t0 = time.perf_counter()
+    engine = build_random_engine(max(batch_sizes), "cuda", tokenizer, steps=args.depformer_steps,
+                                 cuda_graphs=not args.no_cuda_graphs)
+    log.info("built a 7B-shaped engine with %d slots in %.1f s", max(batch_sizes), time.perf_counter() - t0)
+    voice = typical_voice(engine.cfg)
+    persona = list(range(100, 200))  # a 100-token persona
+    report["prefill"] = bench_prefill(engine, voice, persona)
+    base = build_prefill(engine.lm, engine.kv, voice, persona, engine.options.window, engine.scratch)
+    report["ours"] = bench_ours(engine, batch_sizes, args.ticks, args.warmup, full_window_prefill(engine, base), speech)
+    del engine, base
+    torch.cuda.empty_cache()
+    if args.baseline:
+        report["baseline"] = bench_baseline(batch_sizes, args.ticks, args.warmup, speech)
+    Path(args.output).write_text(json.dumps(report, indent=2, allow_nan=False))
+    print(f"{'B':>4} {'ours p50':>9} {'ours p99':>9} {'base p50':>9} {'base p99':>9} {'ratio':>6} {'mem GB':>7}")
+    base_rows = {r["batch"]: r for r in report.get("baseline", [])}
+    for r in report["ours"]:
+        b = base_rows.get(r["batch"])
+        ratio = f"{b['tick_ms_p50'] / r['tick_ms_p50']:.2f}" if b else "-"
+        print(f"{r['batch']:>4} {r['tick_ms_p50']:>9.2f} {r['tick_ms_p99']:>9.2f} "
+              f"{(b['tick_ms_p50'] if b else float('nan')):>9.2f} {(b['tick_ms_p99'] if b else float('nan')):>9.2f} "
+              f"{ratio:>6} {r['peak_memory_gb']:>7.1f}")
+    print(f"prefill: {report['prefill']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""GPU fast-path pieces (Triton kernels); every one has a PyTorch fallback used on CPU."""

@@ -1,0 +1,133 @@
+"""Decode attention that reads each live slot's window in place (Triton, split-K).
+
+One query token per slot attends to the keys of its own slot in the shared ring cache
+``[num_slots, heads, capacity, head_dim]``: no gather of the windows into a batch copy
+(which would move every live window twice per layer and tick).  Visible keys are the
+absolute positions ``max(lo, 0) .. q_pos`` (a contiguous run of positions, so a contiguous
+run of ring indices modulo the capacity), which covers both window modes of
+``engines.modules.kv_ring``.  The window is split across programs (flash-decoding) so a
+single session still fills the GPU; a second small kernel merges the partial softmaxes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the PyTorch path in kv_ring is used instead
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _partial_kernel(
+        Q, K, V, Slots, QPos, Lo, Acc, Max, Sum,
+        stride_qb, stride_qh,
+        stride_ks, stride_kh, stride_kc,
+        stride_vs, stride_vh, stride_vc,
+        stride_ab, stride_ah, stride_as,
+        stride_mb, stride_mh,
+        capacity, sm_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.program_id(2)
+        slot = tl.load(Slots + b).to(tl.int64)
+        q_pos = tl.load(QPos + b)
+        # Positions older than the ring's capacity are no longer held, whatever lo says.
+        lo = tl.maximum(tl.maximum(tl.load(Lo + b), q_pos - capacity + 1), 0)
+        count = q_pos - lo + 1
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32) * sm_scale
+        k_base = K + slot * stride_ks + h * stride_kh
+        v_base = V + slot * stride_vs + h * stride_vh
+        m_i = tl.full((), float("-inf"), tl.float32)
+        l_i = tl.zeros((), tl.float32)
+        acc = tl.zeros((HEAD_DIM,), tl.float32)
+        for n0 in tl.range(sp * SPLIT, (sp + 1) * SPLIT, BLOCK_N, num_stages=NUM_STAGES):
+            n = n0 + tl.arange(0, BLOCK_N)
+            valid = n < count
+            ring = ((lo + n) % capacity).to(tl.int64)
+            k = tl.load(k_base + ring[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            # A block with no visible key keeps m at -inf: guard the rescale against nan.
+            alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
+            p = tl.where(valid, tl.exp(s - m_new), 0.0)
+            v = tl.load(v_base + ring[:, None] * stride_vc + d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+        tl.store(Acc + b * stride_ab + h * stride_ah + sp * stride_as + d, acc)
+        tl.store(Max + b * stride_mb + h * stride_mh + sp, m_i)
+        tl.store(Sum + b * stride_mb + h * stride_mh + sp, l_i)
+
+
+# Tuned on the H200 with engines.gpu.bench_attention (see docs/PERFORMANCE.md).
+BLOCK_N = 128
+NUM_WARPS = 4
+NUM_STAGES = 2
+MIN_SPLITS = 4
+PROGRAMS_PER_SM = 4
+
+
+def _split_size(capacity: int, batch_heads: int, device: torch.device, block: int, min_splits: int) -> int:
+    """Positions per program: enough programs to fill every SM a few times over."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = max(min_splits, min(64, math.ceil(PROGRAMS_PER_SM * sms / max(batch_heads, 1))))
+    return max(block, math.ceil(math.ceil(capacity / splits) / block) * block)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    q_pos: torch.Tensor,
+    lo: torch.Tensor,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    min_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per slot over its ring window.
+
+    q [B, H, D]; keys/values [S, H, C, D] (the whole ring of one layer); slots, q_pos, lo [B]
+    int64 (lowest visible position, may be negative).  Returns [B, H, D] in q's dtype.
+    No host synchronisation: safe inside a CUDA graph.
+    """
+    B, H, D = q.shape
+    C = keys.shape[2]
+    block_n = block_n or BLOCK_N
+    split = _split_size(C, B * H, q.device, block_n, min_splits or MIN_SPLITS)
+    n_split = math.ceil(C / split)
+    acc = torch.empty(B, H, n_split, D, device=q.device, dtype=torch.float32)
+    mx = torch.empty(B, H, n_split, device=q.device, dtype=torch.float32)
+    sm = torch.empty_like(mx)
+    _partial_kernel[(B, H, n_split)](
+        q, keys, values, slots, q_pos, lo, acc, mx, sm,
+        q.stride(0), q.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        mx.stride(0), mx.stride(1),
+        C, 1.0 / math.sqrt(D),
+        HEAD_DIM=D, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=num_stages or NUM_STAGES,
+        num_warps=num_warps or NUM_WARPS,
+    )
+    # Merge the partial softmaxes (tiny tensors; plain torch ops are graph-safe).
+    m = mx.amax(dim=2, keepdim=True)
+    w = torch.where(torch.isinf(mx), torch.zeros_like(mx), torch.exp(mx - m))
+    out = (acc * w.unsqueeze(-1)).sum(2) / (sm * w).sum(2, keepdim=True)
+    return out.to(q.dtype)
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"

@@ -1,0 +1,95 @@
+"""CUDA graphs of the live tick, one per batch bucket.
+
+A tick with B live slots replays the graph of the smallest bucket >= B; the unused rows
+point at the engine's scratch slot, whose state is throw-away (duplicate writes to it are
+harmless).  Every state tensor the tick touches (KV ring, token ring, Mimi state, sampling
+settings) is allocated once by the engine, so the captured addresses stay valid; inputs
+and outputs go through static buffers.  The only host synchronisation is reading the
+results back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    slots: torch.Tensor  # [bucket] int64, device
+    pcm: torch.Tensor  # [bucket, 1920] float32, device
+    out_pcm: torch.Tensor
+    out_text: torch.Tensor
+
+
+class TickGraphs:
+    def __init__(self, engine, buckets: tuple[int, ...]) -> None:
+        self.engine = engine
+        self.buckets = sorted({b for b in buckets if b < engine.num_slots} | {engine.num_slots})
+        self._graphs: dict[int, _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        self._host_pcm = torch.empty((max(self.buckets), 1920), dtype=torch.float32).pin_memory()
+
+    def bucket_for(self, batch: int) -> int:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise ValueError(f"{batch} slots exceed the engine's {self.engine.num_slots}")
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (at start-up) instead of on first use."""
+        for b in self.buckets:
+            self._get(b)
+
+    def _get(self, bucket: int) -> _Graph:
+        g = self._graphs.get(bucket)
+        if g is None:
+            g = self._capture(bucket)
+            self._graphs[bucket] = g
+        return g
+
+    def _capture(self, bucket: int) -> _Graph:
+        engine = self.engine
+        dev = engine.device
+        slots = torch.full((bucket,), engine.scratch, device=dev, dtype=torch.long)
+        pcm = torch.zeros(bucket, 1920, device=dev, dtype=torch.float32)
+        clock_enabled, engine.clock.enabled = engine.clock.enabled, False
+        try:
+            with torch.inference_mode():
+                # Warm-up on a side stream (lazy initialisations must not be captured);
+                # it only advances the scratch slot.
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        engine.live_tick(slots, pcm)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out_pcm, out_text = engine.live_tick(slots, pcm)
+        finally:
+            engine.clock.enabled = clock_enabled
+        log.info("captured the tick graph for %d slots", bucket)
+        return _Graph(graph, slots, pcm, out_pcm, out_text)
+
+    def run(self, slots: list[int], pcm: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        B = len(slots)
+        g = self._get(self.bucket_for(B))
+        bucket = g.slots.shape[0]
+        ids = slots + [self.engine.scratch] * (bucket - B)
+        host = self._host_pcm[:bucket]
+        host[:B] = torch.from_numpy(pcm)
+        host[B:] = 0
+        g.slots.copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+        g.pcm.copy_(host, non_blocking=True)
+        self.engine.clock.start()
+        g.graph.replay()
+        self.engine.clock.mark("tick")
+        text = g.out_text[:B].tolist()  # the one host synchronisation of the tick
+        return g.out_pcm[:B].float().cpu().numpy(), text

@@ -1,0 +1,56 @@
+"""Where a graphed tick spends its GPU time: kernel totals from the PyTorch profiler.
+
+    python -m engines.gpu.profile_tick --batch 64 [--ticks 20]
+
+Builds the 7B-shaped random engine of ``engines.bench`` with full windows, replays the
+tick graph under ``torch.profiler`` and prints the kernels by total time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ..bench import build_random_engine, full_window_prefill, typical_voice
+from ..interface import SamplingParams, SessionSpec
+from ..prefill import build_prefill
+from ..tiny import train_tokenizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--ticks", type=int, default=20)
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    tok = Path(tempfile.mkdtemp()) / "tok.model"
+    train_tokenizer(tok)
+    engine = build_random_engine(args.batch, "cuda", tok)
+    base = build_prefill(engine.lm, engine.kv, typical_voice(engine.cfg), list(range(100, 200)),
+                         engine.options.window, engine.scratch)
+    prefill = full_window_prefill(engine, base)
+    spec = SessionSpec(sampling=SamplingParams(greedy=True))
+    slots = [engine.open_slot(spec, prefill=prefill) for _ in range(args.batch)]
+    pcm = np.zeros((args.batch, 1920), np.float32)
+    for _ in range(5):
+        engine.step(slots, pcm)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.ticks):
+            engine.step(slots, pcm)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    rows = sorted(events, key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in rows if e.device_time_total > 0)
+    print(f"B={args.batch}: {total / 1e3 / args.ticks:.2f} ms of kernel time per tick")
+    for e in rows[: args.top]:
+        print(f"{e.device_time_total / 1e3 / args.ticks:8.3f} ms/tick  {e.count // args.ticks:5d}x  {e.key[:110]}")
+
+
+if __name__ == "__main__":
+    main()
