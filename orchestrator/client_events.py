@@ -1,0 +1,71 @@
+"""Client -> server events: framing checks, JSON decoding and the append payload.
+
+Everything here is pure: it turns a websocket message into a dict (or a ``ProtocolError``),
+and an append event into an ``AppendRequest``.  What the events *do* is ``Session``'s job.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .audio import INPUT_CODECS, AudioError, canonical_codec, check_rate
+from .errors import ProtocolError
+
+CLOSE_EVENTS = frozenset({"session.close", "close", "close_session"})
+
+
+def decode_event(message: str | bytes | None, max_bytes: int) -> dict[str, Any]:
+    """One websocket message -> one event object, or ``ProtocolError``.
+
+    Codes: ``bad_event`` (binary frame, non-object JSON, missing ``type``),
+    ``event_too_large``, ``invalid_json``.
+    """
+    if not isinstance(message, str):
+        raise ProtocolError("bad_event", "binary frames are not supported: send each event as one JSON text frame")
+    size = len(message)
+    if size > max_bytes or (size * 4 > max_bytes and len(message.encode("utf-8", "surrogatepass")) > max_bytes):
+        raise ProtocolError("event_too_large", f"event exceeds the limit of {max_bytes} bytes")
+    try:
+        event = json.loads(message)
+    except ValueError as exc:
+        raise ProtocolError("invalid_json", f"event is not valid JSON: {exc}") from None
+    if not isinstance(event, dict):
+        raise ProtocolError("bad_event", f"event must be a JSON object, got {type(event).__name__}")
+    if not isinstance(event.get("type"), str) or not event["type"]:
+        raise ProtocolError("bad_event", "event must have a string 'type'", param="type")
+    return event
+
+
+def client_event_id(event: Mapping[str, Any]) -> str | None:
+    """The client's ``event_id``, echoed in errors (only if it is a string)."""
+    value = event.get("event_id")
+    return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
+class AppendRequest:
+    audio: str  # base64, not yet decoded
+    codec: str | None  # per-event override of the session's input codec
+    rate: int | None  # per-event override of the session's input rate
+
+
+def parse_append(event: Mapping[str, Any]) -> AppendRequest:
+    audio = event.get("audio", event.get("delta"))
+    if not isinstance(audio, str):
+        raise ProtocolError("bad_event", "input_audio_buffer.append needs base64 'audio'", param="audio")
+    name = event.get("format", event.get("input_audio_format"))
+    codec = None
+    if name is not None:
+        codec = canonical_codec(name)
+        if codec not in INPUT_CODECS:
+            raise ProtocolError("unsupported_audio_format", f"Unsupported input_audio_format: {name}", param="format")
+    raw_rate = event.get("sample_rate_hz", event.get("sample_rate"))
+    rate = None
+    if raw_rate is not None:
+        try:
+            rate = check_rate(raw_rate)
+        except AudioError as exc:
+            raise ProtocolError(exc.code, str(exc), param="sample_rate_hz") from None
+    return AppendRequest(audio=audio, codec=codec, rate=rate)

@@ -1,0 +1,266 @@
+"""One websocket connection: handshake, the event loop of its session, and closing.
+
+Handshake: the first ``session.update`` (within ``first_message_timeout_s``) opens the
+session; other events sent before it are held and run right after ``session.created``
+(a stock OpenAI client may pipeline appends).  A handshake failure sends one ``error`` and
+closes the socket; after that, errors never close it.
+
+Slot accounting: whatever way the connection ends (``session.close``, idle timeout, a plain
+websocket close, a client that stops reading, shutdown) the engine slot is released once and
+the admission slot is given back only after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import logging
+from typing import Any, Mapping
+
+from engines.interface import EngineError
+
+from . import events as ev
+from .client_events import CLOSE_EVENTS, client_event_id, decode_event
+from .errors import ProtocolError
+from .session import Session
+from .session_config import SessionConfig, parse_session_update, session_payload
+from .services import Services
+
+log = logging.getLogger(__name__)
+
+# Close code per close reason; anything else ends normally (1000), as the reference does.
+_CLOSE_CODES = {"output_backpressure": 1008, "engine_error": 1011, "transport_error": 1011}
+_MAX_CLOSE_REASON_BYTES = 123  # RFC 6455
+
+
+class Connection:
+    def __init__(self, websocket: Any, services: Services, *, url_model: str | None, autostart: bool) -> None:
+        self.ws = websocket
+        self.services = services
+        self.settings = services.settings
+        self.url_model = url_model
+        self.autostart = autostart
+        self._cleanup: concurrent.futures.Future | None = None
+
+    async def run(self) -> None:
+        opening = await self._handshake()
+        if opening is None:
+            return
+        first_event, held = opening
+        session = await self._open(first_event)
+        if session is None:
+            return
+        sender = asyncio.ensure_future(self._send_loop(session))
+        try:
+            reason = self._run_events(session, held) or await self._serve(session)
+            await self._finish(session, reason, sender)
+        finally:
+            # Reached by cancellation too: Quart cancels the handler when the client disconnects.
+            self._release(session, "disconnect")
+            sender.cancel()
+
+    async def refuse_unsupported(self) -> None:
+        """``duplex=0`` asks for the turn-based API, which this server does not have."""
+        await self._refuse(ProtocolError("unsupported", "Realtime API is not available"))
+
+    # Handshake --------------------------------------------------------------------------------
+    async def _handshake(self) -> tuple[Mapping[str, Any], list[Mapping[str, Any]]] | None:
+        if self.autostart:
+            return {"type": "session.update", "session": {}}, []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.first_message_timeout_s
+        held: list[Mapping[str, Any]] = []
+        held_bytes = 0
+        first = True
+        while True:
+            try:
+                message = await asyncio.wait_for(self.ws.receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                await self._refuse(ProtocolError("config_timeout", "Timeout waiting for session.update"))
+                return None
+            try:
+                event = decode_event(message, self.settings.max_event_bytes)
+            except ProtocolError as exc:
+                if first and isinstance(message, str) and exc.code in ("invalid_json", "bad_event"):
+                    await self._refuse(exc)
+                    return None
+                await self._send_direct(exc)  # binary or oversize: say so, keep waiting
+                continue
+            first = False
+            kind = event["type"]
+            if kind == "session.update":
+                return event, held
+            if kind == "session.resume":
+                await self._refuse(ProtocolError("unsupported_session_resume", "session resume is not supported"),
+                                   client_event_id(event))
+                return None
+            if kind in CLOSE_EVENTS:
+                await self._send_json({"type": "session.closed", "event_id": ev.new_event_id(), "session_id": None,
+                                       "reason": "client_close", "event": {"type": kind}})
+                await self._close_socket(1000, "client_close")
+                return None
+            if held_bytes + len(message) > self.settings.max_pending_input_bytes:
+                await self._send_direct(ProtocolError("input_backpressure", "too many events before session.update"),
+                                        client_event_id(event))
+                continue
+            held.append(event)
+            held_bytes += len(message)
+
+    async def _open(self, event: Mapping[str, Any]) -> Session | None:
+        services = self.services
+        eid = client_event_id(event)
+        defaults = SessionConfig(model=self.url_model or "", idle_timeout_s=self.settings.idle_timeout_s)
+        try:
+            config = parse_session_update(session_payload(event), defaults, is_open=False, input_rate_locked=False)
+        except ProtocolError as exc:
+            await self._refuse(exc, eid)
+            return None
+        if not services.admission.try_acquire():
+            services.metrics.inc("sessions_refused")
+            await self._refuse(ProtocolError(
+                "resource_exhausted", f"duplex_session_capacity_exhausted: limit={services.max_sessions}",
+                retryable=True), eid)
+            return None
+        session_id = ev.new_session_id()
+        try:
+            await services.wait_ready()
+            await asyncio.wrap_future(services.scheduler.open(session_id, config.spec()))
+        except asyncio.CancelledError:
+            # The client left while the slot was being prepared; the open may still complete
+            # in the engine thread, so close by id: that frees whatever was allocated.
+            services.release_when_closed(services.scheduler.close(session_id))
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed open allocated no engine slot
+            services.admission.release()
+            await self._refuse(_open_error(exc), eid)
+            return None
+        if not config.model:
+            config = dataclasses.replace(config, model=services.model_name)
+        session = Session(session_id, config, scheduler=services.scheduler, settings=self.settings,
+                          metrics=services.metrics, caps=services.caps)
+        services.sessions[session_id] = session
+        services.metrics.inc("sessions_opened")
+        log.info("session %s opened (voice=%s)", session_id, config.voice)
+        session.emit({"type": "session.created", "session": session.public()}, journal=False)
+        session.emit({"type": "session.updated", "session": session.public()})
+        return session
+
+    # The open session -------------------------------------------------------------------------
+    def _run_events(self, session: Session, events: list[Mapping[str, Any]]) -> str | None:
+        for event in events:
+            reason = session.handle(event)
+            if reason is not None:
+                return reason
+        return None
+
+    async def _serve(self, session: Session) -> str:
+        """Read client events until one closes the session; returns the close reason."""
+        loop = asyncio.get_running_loop()
+        last_event = loop.time()
+        receive: asyncio.Future | None = None
+        try:
+            while True:
+                if receive is None:
+                    receive = asyncio.ensure_future(self.ws.receive())
+                timeout = last_event + session.config.idle_timeout_s - loop.time()
+                if timeout <= 0:
+                    return "timeout"
+                done, _ = await asyncio.wait((receive, session.stop), timeout=timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if session.stop.done():
+                    return session.stop.result()
+                if receive in done:
+                    message, receive = receive.result(), None
+                    last_event = loop.time()
+                    try:
+                        event = decode_event(message, self.settings.max_event_bytes)
+                    except ProtocolError as exc:
+                        session.emit_error(exc)
+                        continue
+                    reason = session.handle(event)
+                    if reason is not None:
+                        return reason
+        finally:
+            if receive is not None:
+                receive.cancel()
+
+    async def _send_loop(self, session: Session) -> None:
+        outbox = session.outbox
+        try:
+            while True:
+                text = await outbox.get()
+                await self.ws.send(text)
+                outbox.sent(text)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the transport is gone
+            log.info("session %s: send failed (%s)", session.id, exc)
+            session.request_stop("transport_error")
+
+    # Closing ----------------------------------------------------------------------------------
+    def _release(self, session: Session, reason: str) -> concurrent.futures.Future:
+        """Stop the session and free its engine slot (once); admission follows the engine."""
+        if self._cleanup is not None:
+            return self._cleanup
+        services = self.services
+        session.begin_close()
+        services.sessions.pop(session.id, None)
+        services.metrics.inc("sessions_closed", reason)
+        self._cleanup = services.scheduler.close(session.id)
+        services.release_when_closed(self._cleanup)
+        log.info("session %s closed (%s)", session.id, reason)
+        return self._cleanup
+
+    async def _finish(self, session: Session, reason: str, sender: asyncio.Future) -> None:
+        """Orderly close: free the slot, then ``session.closed``, flush, close frame."""
+        timeout = self.settings.close_timeout_s
+        cleanup = self._release(session, reason)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cleanup)), timeout)
+        except Exception:  # noqa: BLE001 - session.closed goes out regardless (reference behaviour)
+            log.warning("session %s: engine cleanup did not finish within %.1f s", session.id, timeout)
+        session.emit({"type": "session.closed", "session_id": session.id, "reason": reason,
+                      "event": {"type": "session.close", "reason": reason}}, force=True)
+        try:
+            await asyncio.wait_for(session.outbox.drained(), timeout)
+        except asyncio.TimeoutError:
+            log.info("session %s: client did not read its last events; closing anyway", session.id)
+        sender.cancel()
+        await self._close_socket(_CLOSE_CODES.get(reason, 1000), reason)
+
+    # Sending outside a session (handshake) ----------------------------------------------------
+    async def _send_json(self, payload: dict[str, Any]) -> None:
+        try:
+            await asyncio.wait_for(self.ws.send(json.dumps(payload, separators=(",", ":"))),
+                                   self.settings.close_timeout_s)
+        except Exception:  # noqa: BLE001 - the client is gone or not reading; nothing to tell it
+            pass
+
+    async def _send_direct(self, error: ProtocolError, client_id: str | None = None) -> None:
+        self.services.metrics.inc("errors", error.code)
+        await self._send_json({"type": "error", "event_id": ev.new_event_id(), "error": error.payload(client_id)})
+
+    async def _refuse(self, error: ProtocolError, client_id: str | None = None) -> None:
+        """A handshake failure: one error event, then close the socket (1013 = try again later)."""
+        await self._send_direct(error, client_id)
+        await self._close_socket(1013 if error.code == "resource_exhausted" else 1008, error.code)
+
+    async def _close_socket(self, code: int, reason: str) -> None:
+        reason_bytes = reason.encode("utf-8")[:_MAX_CLOSE_REASON_BYTES]
+        try:
+            await asyncio.wait_for(self.ws.close(code, reason_bytes.decode("utf-8", "ignore")),
+                                   self.settings.close_timeout_s)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _open_error(exc: Exception) -> ProtocolError:
+    """The client-facing error of a failed open (engine errors carry their protocol code)."""
+    if isinstance(exc, ProtocolError):
+        return exc
+    if isinstance(exc, EngineError):
+        return ProtocolError(exc.code, str(exc), param="voice" if exc.code == "invalid_voice" else None)
+    log.exception("opening a session failed", exc_info=exc)
+    return ProtocolError("engine_error", f"opening the session failed: {type(exc).__name__}")

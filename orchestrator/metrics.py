@@ -1,0 +1,122 @@
+"""Prometheus text exposition (format 0.0.4), written by hand: a few counters, gauges and
+two histograms do not justify a client library.
+
+Updated from the event loop and from the scheduler thread, hence the lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+from typing import Callable
+
+TICK_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.16, 0.32, 0.64, 1.28)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, cumulative = [], 0
+        for bound, n in zip(self.buckets, self.counts):
+            cumulative += n
+            out.append(f'{name}_bucket{{le="{_num(bound)}"}} {cumulative}')
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        out.append(f"{name}_sum {_num(self.total)}")
+        out.append(f"{name}_count {self.count}")
+        return out
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sessions_opened = 0
+        self.sessions_refused = 0
+        self.sessions_closed: dict[str, int] = defaultdict(int)  # by reason
+        self.frames_in: dict[str, int] = defaultdict(int)  # by source: client | silence
+        self.frames_out = 0
+        self.frames_dropped = 0  # outputs of a cancelled epoch or a closed session
+        self.errors: dict[str, int] = defaultdict(int)  # by code
+        self.ticks = 0
+        self.tick_seconds = Histogram(TICK_BUCKETS_S)
+        self.batch_size = Histogram(BATCH_BUCKETS)
+        # Gauges read at scrape time from their owners.
+        self.live_sessions: Callable[[], int] = lambda: 0
+        self.free_slots: Callable[[], int] = lambda: 0
+        self.ready: Callable[[], bool] = lambda: False
+
+    def inc(self, name: str, label: str | None = None, n: int = 1) -> None:
+        with self._lock:
+            if label is None:
+                setattr(self, name, getattr(self, name) + n)
+            else:
+                getattr(self, name)[label] += n
+
+    def observe_tick(self, seconds: float, batch: int, silence_frames: int) -> None:
+        with self._lock:
+            self.ticks += 1
+            self.tick_seconds.observe(seconds)
+            self.batch_size.observe(batch)
+            self.frames_out += batch
+            if silence_frames:
+                self.frames_in["silence"] += silence_frames
+
+    def render(self) -> str:
+        with self._lock:
+            lines: list[str] = []
+
+            def metric(name: str, kind: str, help_text: str, samples: list[str]) -> None:
+                lines.append(f"# HELP {name} {help_text}")
+                lines.append(f"# TYPE {name} {kind}")
+                lines.extend(samples)
+
+            metric("personaplex_ready", "gauge", "1 once the engine is loaded and warmed up.",
+                   [f"personaplex_ready {int(self.ready())}"])
+            metric("personaplex_sessions_live", "gauge", "Sessions holding an admission slot.",
+                   [f"personaplex_sessions_live {self.live_sessions()}"])
+            metric("personaplex_slots_free", "gauge", "Admission slots still free.",
+                   [f"personaplex_slots_free {self.free_slots()}"])
+            metric("personaplex_sessions_opened_total", "counter", "Sessions opened.",
+                   [f"personaplex_sessions_opened_total {self.sessions_opened}"])
+            metric("personaplex_sessions_refused_total", "counter", "Opens refused with resource_exhausted.",
+                   [f"personaplex_sessions_refused_total {self.sessions_refused}"])
+            metric("personaplex_sessions_closed_total", "counter", "Sessions closed, by reason.",
+                   _labelled("personaplex_sessions_closed_total", "reason", self.sessions_closed))
+            metric("personaplex_ticks_total", "counter", "Lockstep ticks run.", [f"personaplex_ticks_total {self.ticks}"])
+            metric("personaplex_tick_duration_seconds", "histogram", "Engine time of one batched tick.",
+                   self.tick_seconds.lines("personaplex_tick_duration_seconds"))
+            metric("personaplex_batch_size", "histogram", "Sessions advanced per tick.",
+                   self.batch_size.lines("personaplex_batch_size"))
+            metric("personaplex_frames_in_total", "counter", "80 ms input frames stepped, by source.",
+                   _labelled("personaplex_frames_in_total", "source", self.frames_in))
+            metric("personaplex_frames_out_total", "counter", "80 ms output frames produced.",
+                   [f"personaplex_frames_out_total {self.frames_out}"])
+            metric("personaplex_frames_dropped_total", "counter",
+                   "Output frames dropped (cancelled epoch or closed session).",
+                   [f"personaplex_frames_dropped_total {self.frames_dropped}"])
+            metric("personaplex_errors_total", "counter", "Error events sent, by code.",
+                   _labelled("personaplex_errors_total", "code", self.errors))
+            return "\n".join(lines) + "\n"
+
+
+def _labelled(name: str, label: str, values: dict[str, int]) -> list[str]:
+    return [f'{name}{{{label}="{_escape(key)}"}} {values[key]}' for key in sorted(values)]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _num(value: float) -> str:
+    return repr(float(value))

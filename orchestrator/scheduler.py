@@ -1,0 +1,402 @@
+"""The lockstep tick scheduler: the one thread that owns the engine.
+
+Every live session is a *lane*: a slot in the engine plus a queue of 80 ms input frames.  A
+tick takes one frame from every lane that has one and advances all of them with a single
+batched ``engine.step``; the results go back to the event loop with
+``loop.call_soon_threadsafe``.  The event loop never calls the engine and this thread never
+touches a websocket.
+
+Batching policy: tick as soon as every live lane has a frame, or once the oldest waiting
+frame has waited ``batch_window_s``, whichever comes first.  A frame that was already
+queued when the previous tick was taken (its lane sends faster than real time) does not
+wait at all: such a lane ticks back to back as fast as the engine goes, and a paced lane's
+frame joins the next of those ticks anyway.
+
+Silence feeding: a lane whose queue has been empty for ``silence_grace_s`` (no input, nothing
+left to step) gets one silence frame per 80 ms so the conversation stays clocked.
+
+Control work (opening a slot with its prefill, restarting an epoch) is expensive and runs on
+this same thread, so it is placed where it costs live lanes least: right after a tick, when
+the paced clients' next frames are furthest away, at most one job per gap, or whenever no
+lane has a frame waiting.  Closes are cheap and run before anything else.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from engines.config import FRAME_SAMPLES
+from engines.interface import Engine, EngineInfo, SessionSpec
+
+from .audio import float_to_pcm16
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+FRAME_PERIOD_S = 0.08
+
+
+@dataclass(frozen=True)
+class FrameResult:
+    """One output frame of one lane, as handed to the event loop."""
+
+    key: str
+    epoch: int
+    pcm16: np.ndarray  # int16 [1920]
+    text: str
+    text_id: int
+    silence_input: bool  # the input of this frame was fed silence, not client audio
+    tick: int
+    tick_ms: float
+    batch_size: int
+    wait_ms: float  # how long the input frame waited for its tick
+
+
+@dataclass(frozen=True)
+class FrameFailure:
+    """``engine.step`` raised for a batch containing this lane."""
+
+    key: str
+    epoch: int
+    message: str
+    fatal: bool = False  # the slot could not be restarted: the session cannot go on
+
+
+def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve ``future`` unless its waiter has cancelled it meanwhile (not an error here)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+class _Lane:
+    def __init__(self, key: str, slot: int, now: float) -> None:
+        self.key = key
+        self.slot = slot
+        self.epoch = 0  # epoch the slot's model context belongs to
+        self.want_epoch = 0  # epoch the session asked for; a restart is due while they differ
+        self.restart_queued = False
+        self.frames: deque[tuple[np.ndarray, float, bool]] = deque()  # (pcm, arrival, is_silence)
+        self.stalled_since = now  # queue empty since, with no new input
+        self.next_silence: float | None = None  # once feeding silence: when the next one is due
+        self.closing = False
+
+    @property
+    def live(self) -> bool:
+        return not self.closing and self.epoch == self.want_epoch
+
+
+class TickScheduler:
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        *,
+        batch_window_s: float,
+        silence_grace_s: float,
+        warmup_frames: int,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._factory = engine_factory
+        self._window = batch_window_s
+        self._grace = silence_grace_s
+        self._warmup_frames = warmup_frames
+        self._metrics = metrics
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._lanes: dict[str, _Lane] = {}
+        self._closes: deque[tuple[str, concurrent.futures.Future]] = deque()
+        self._jobs: deque[tuple[Any, ...]] = deque()  # expensive control work, FIFO
+        self._after_tick = False
+        self._last_take = float("-inf")  # when the latest tick's frames were taken
+        self._stopping = False
+        self._ticks = 0
+        self._silence = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+        self._thread: threading.Thread | None = None
+        self._deliver: Callable[[list], None] = lambda results: None
+        self._loop: Any = None
+        self.ready = threading.Event()  # set when loading finished, successfully or not
+        self.load_error: BaseException | None = None
+        self.info: EngineInfo | None = None
+        self.voices: tuple[str, ...] = ()
+
+    # Lifecycle (event loop side) --------------------------------------------------------------
+    def start(self, loop: Any, deliver: Callable[[list], None]) -> None:
+        """Start the engine thread; ``deliver(results)`` is then called on ``loop`` per tick."""
+        self._loop, self._deliver = loop, deliver
+        self._thread = threading.Thread(target=self._run, name="personaplex-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready.is_set() and self.load_error is None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # Session commands (event loop side, thread-safe, never block on the engine) ---------------
+    def open(self, key: str, spec: SessionSpec) -> concurrent.futures.Future:
+        """Validate, prepare and install ``spec`` in a new slot; the future gives the slot id
+        or the engine's ``EngineError``."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._jobs.append(("open", key, spec, future))
+            self._cond.notify()
+        return future
+
+    def restart(self, key: str, epoch: int) -> None:
+        """Start ``epoch``: drop queued frames of older epochs, replay the prefill before the
+        lane's next frame."""
+        with self._cond:
+            lane = self._lanes.get(key)
+            if lane is None or lane.closing:
+                return
+            lane.want_epoch = epoch
+            lane.frames.clear()
+            if not lane.restart_queued:
+                lane.restart_queued = True
+                self._jobs.append(("restart", key))
+            self._cond.notify()
+
+    def close(self, key: str) -> concurrent.futures.Future:
+        """Release the lane's slot (or cancel its pending open); the future resolves once the
+        engine slot is free."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            lane = self._lanes.get(key)
+            if lane is not None:
+                lane.closing = True
+                lane.frames.clear()
+            self._closes.append((key, future))
+            self._cond.notify()
+        return future
+
+    def push(self, key: str, epoch: int, frames: np.ndarray) -> None:
+        """Queue client frames (float32 [n, 1920]) of ``epoch``; stale epochs are dropped."""
+        now = self._clock()
+        with self._cond:
+            lane = self._lanes.get(key)
+            if lane is None or lane.closing or epoch != lane.want_epoch:
+                return
+            if lane.frames and lane.frames[0][2]:  # client audio is back: skip queued silence
+                lane.frames.popleft()
+            lane.frames.extend((frame, now, False) for frame in frames)
+            lane.next_silence = None
+            self._cond.notify()
+        self._metrics.inc("frames_in", "client", len(frames))
+
+    def drop_pending(self, key: str) -> None:
+        """Forget queued, not yet stepped frames (input_audio_buffer.clear)."""
+        with self._cond:
+            lane = self._lanes.get(key)
+            if lane is not None:
+                lane.frames.clear()
+                lane.stalled_since = self._clock()
+                lane.next_silence = None
+
+    def pending(self, key: str) -> int:
+        with self._cond:
+            lane = self._lanes.get(key)
+            return len(lane.frames) if lane is not None else 0
+
+    # The engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self._load()
+        if engine is None:
+            return
+        while True:
+            action = self._next_action()
+            if action is None:
+                break
+            kind = action[0]
+            if kind == "tick":
+                self._tick(engine, action[1])
+                self._after_tick = True
+            elif kind == "close":
+                self._close(engine, *action[1:])
+            else:
+                self._job(engine, action)
+        for key in list(self._lanes):
+            self._close(engine, key, concurrent.futures.Future())
+
+    def _load(self) -> Engine | None:
+        try:
+            engine = self._factory()
+            self.voices = tuple(engine.voices())
+            self._warm_up(engine)
+        except BaseException as exc:  # noqa: BLE001 - reported through /health and opens
+            log.exception("engine failed to load")
+            self.load_error = exc
+            self.ready.set()
+            return None
+        self.info = engine.info
+        self.ready.set()
+        log.info("engine ready: model=%s backend=%s device=%s slots=%d", engine.info.model, engine.info.backend,
+                 engine.info.device, engine.info.max_slots)
+        return engine
+
+    def _warm_up(self, engine: Engine) -> None:
+        """Step a throwaway slot with silence so the first real session pays no one-time cost
+        (lazy allocations, kernel selection, the default prefill)."""
+        if self._warmup_frames <= 0:
+            return
+        start = time.perf_counter()
+        slot = engine.open_slot(SessionSpec())
+        try:
+            for _ in range(self._warmup_frames):
+                engine.step([slot], self._silence[None, :])
+        finally:
+            engine.close_slot(slot)
+        log.info("warm-up: %d frames in %.0f ms", self._warmup_frames, (time.perf_counter() - start) * 1e3)
+
+    def _next_action(self) -> tuple[Any, ...] | None:
+        with self._cond:
+            while True:
+                if self._stopping:
+                    return None
+                if self._closes:
+                    return ("close", *self._closes.popleft())
+                now = self._clock()
+                silence_due = self._feed_silence(now)
+                live = [lane for lane in self._lanes.values() if lane.live]
+                ready = [lane for lane in live if lane.frames]
+                if self._jobs and (self._after_tick or not ready):
+                    self._after_tick = False
+                    return self._jobs.popleft()
+                if ready:
+                    oldest = min(lane.frames[0][1] for lane in ready)
+                    # A frame that was already queued when the last tick was taken is behind
+                    # (its lane had sent more than one): no reason to wait for anybody.
+                    behind = oldest <= self._last_take
+                    if len(ready) == len(live) or behind or now - oldest >= self._window:
+                        return ("tick", self._take(ready, now))
+                    wait = oldest + self._window - now
+                    wait = min(wait, silence_due - now) if silence_due is not None else wait
+                else:
+                    wait = silence_due - now if silence_due is not None else None
+                self._cond.wait(wait)
+
+    def _feed_silence(self, now: float) -> float | None:
+        """Queue silence for stalled lanes; returns the next time one falls due (or None)."""
+        if self._grace <= 0:
+            return None
+        next_due = None
+        for lane in self._lanes.values():
+            if not lane.live or lane.frames:
+                continue
+            due = lane.next_silence if lane.next_silence is not None else lane.stalled_since + self._grace
+            if now >= due:
+                lane.frames.append((self._silence, due, True))
+                # No catch-up burst after a long tick: the next one is a period from now at most.
+                lane.next_silence = max(due + FRAME_PERIOD_S, now)
+            else:
+                next_due = due if next_due is None else min(next_due, due)
+        return next_due
+
+    def _take(self, ready: Sequence[_Lane], now: float) -> list[tuple[_Lane, int, np.ndarray, float, bool]]:
+        self._last_take = now
+        batch = []
+        for lane in ready:
+            frame, arrival, silent = lane.frames.popleft()
+            if not lane.frames and not silent:
+                lane.stalled_since = now
+            batch.append((lane, lane.epoch, frame, arrival, silent))
+        return batch
+
+    def _tick(self, engine: Engine, batch: list[tuple[_Lane, int, np.ndarray, float, bool]]) -> None:
+        slots = [lane.slot for lane, *_ in batch]
+        pcm = np.stack([frame for _, _, frame, _, _ in batch])
+        start = self._clock()
+        try:
+            outputs = engine.step(slots, pcm)
+        except Exception as exc:  # noqa: BLE001 - one failed tick must not kill the server
+            log.exception("engine.step failed for slots %s", slots)
+            self._hand_back([FrameFailure(lane.key, epoch, f"{type(exc).__name__}: {exc}")
+                             for lane, epoch, *_ in batch])
+            return
+        seconds = self._clock() - start
+        self._ticks += 1
+        pcm16 = float_to_pcm16(np.stack([out.pcm for out in outputs]))
+        silent_inputs = sum(1 for *_, silent in batch if silent)
+        self._metrics.observe_tick(seconds, len(batch), silent_inputs)
+        tick_ms = seconds * 1e3
+        self._hand_back([
+            FrameResult(lane.key, epoch, pcm16[i], out.text, int(out.text_id), silent, self._ticks, tick_ms,
+                        len(batch), (start - arrival) * 1e3)
+            for i, ((lane, epoch, _, arrival, silent), out) in enumerate(zip(batch, outputs))
+        ])
+
+    def _hand_back(self, results: list) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, results)
+        except RuntimeError:  # the loop is gone: shutting down
+            pass
+
+    def _close(self, engine: Engine, key: str, future: concurrent.futures.Future) -> None:
+        with self._cond:
+            lane = self._lanes.pop(key, None)
+            if lane is None:  # not opened yet: cancel the pending open instead
+                for job in [job for job in self._jobs if job[0] == "open" and job[1] == key]:
+                    self._jobs.remove(job)
+                    job[3].cancel()
+        try:
+            if lane is not None:
+                engine.close_slot(lane.slot)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("close_slot(%s) failed", lane.slot)
+            _settle(future, error=exc)
+        else:
+            _settle(future)
+
+    def _job(self, engine: Engine, job: tuple[Any, ...]) -> None:
+        kind, key = job[0], job[1]
+        if kind == "open":
+            spec, future = job[2], job[3]
+            try:
+                engine.validate(spec)
+                engine.prepare(spec)
+                slot = engine.open_slot(spec)
+            except Exception as exc:  # noqa: BLE001 - EngineError subclasses carry the client code
+                _settle(future, error=exc)
+                return
+            with self._cond:
+                # Installed even if the waiter went away: its close follows and frees the slot.
+                self._lanes[key] = _Lane(key, slot, self._clock())
+            _settle(future, slot)
+        elif kind == "restart":
+            with self._cond:
+                lane = self._lanes.get(key)
+                if lane is None or lane.closing:
+                    return
+                lane.restart_queued = False
+                target = lane.want_epoch
+            try:
+                engine.restart_slot(lane.slot)
+            except Exception:  # noqa: BLE001
+                log.exception("restart_slot(%s) failed", lane.slot)
+                self._hand_back([FrameFailure(key, target, "restart of the model context failed", fatal=True)])
+                return
+            with self._cond:
+                lane.epoch = target
+                lane.stalled_since = self._clock()
+                lane.next_silence = None

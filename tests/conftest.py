@@ -1,0 +1,75 @@
+"""Shared fixtures.  Orchestrator fixtures are prefixed ``orch_``; their helpers live in
+``orch_support.py``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.orch_support import Server
+
+
+@pytest.fixture(scope="session")
+def orch_server():
+    """The main server: two sessions, silence feeding off (so a session's output depends on
+    its own input only), a short first-message timeout for the handshake tests."""
+    server = Server(max_sessions=2, silence_grace_s=0, first_message_timeout_s=1.0)
+    yield server
+    server.stop()
+    server.assert_clean_log()
+
+
+@pytest.fixture(scope="session")
+def orch_tuned_server():
+    """A server with small limits: silence after 0.5 s, a 256 KiB outbox, 64 frames of queued
+    input, API keys, two frames per audio delta."""
+    server = Server(max_sessions=2, silence_grace_s=0.5, max_output_buffer_bytes=256 * 1024,
+                    max_pending_input_bytes=64 * 1920 * 4, close_timeout_s=1.0, api_keys="test-key-1,test-key-2",
+                    frames_per_delta=2)
+    yield server
+    server.stop()
+    server.assert_clean_log()
+
+
+# Engine fixtures -------------------------------------------------------------------------
+# ../shared/data beside the checkout; PERSONAPLEX_TEST_SPEECH points elsewhere (e.g. on a
+# GPU machine where only the checkout travels).
+SPEECH_WAV = Path(os.environ.get("PERSONAPLEX_TEST_SPEECH")
+                  or Path(__file__).resolve().parents[2] / "shared" / "data" / "input_assistant.wav")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The tiny checkpoint, written once per test session."""
+    from engines.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-checkpoint"))
+
+
+@pytest.fixture(scope="session")
+def speech_wav() -> Path:
+    if not SPEECH_WAV.is_file():
+        pytest.skip(f"real speech sample not found at {SPEECH_WAV}")
+    return SPEECH_WAV
+
+
+@pytest.fixture(scope="session")
+def speech_pcm(speech_wav):
+    """The 40 s real speech sample, 24 kHz mono float32."""
+    from engines.audio_io import read_audio
+
+    return read_audio(speech_wav)
+
+
+# End-to-end driver fixtures (tests/e2e/) ------------------------------------------------------
+@pytest.fixture(scope="session")
+def e2e_duplex_server():
+    """A real server for the load-driver end-to-end tests: two sessions (the lifecycle's
+    admission limit and the N=2 load), silence feeding off so a session's output frames are
+    exactly its input frames even when a slow machine needs a long drain."""
+    server = Server(max_sessions=2, silence_grace_s=0)
+    yield server
+    server.stop()
+    server.assert_clean_log()

@@ -1,0 +1,286 @@
+"""Helpers for the orchestrator tests: a real ``hypercorn orchestrator:app`` subprocess on a
+loopback port, a websocket client that records every event, and the shared speech asset."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import websockets
+
+from engines.audio_io import read_audio
+
+REPO = Path(__file__).resolve().parents[1]
+# ../shared/data beside the checkout (PERSONAPLEX_TEST_SPEECH overrides, as for the engine tests).
+SPEECH_WAV = Path(os.environ.get("PERSONAPLEX_TEST_SPEECH")
+                  or Path(__file__).resolve().parents[2] / "shared" / "data" / "input_assistant.wav")
+FRAME = 1920
+RATE = 24000
+
+
+@functools.lru_cache(maxsize=1)
+def _speech_pcm() -> np.ndarray:
+    return read_audio(SPEECH_WAV)
+
+
+def speech(seconds: float | None = None, offset_s: float = 0.0) -> np.ndarray:
+    """Real speech as float32 at 24 kHz (skips the test if the shared asset is absent)."""
+    if not SPEECH_WAV.is_file():
+        pytest.skip(f"speech asset {SPEECH_WAV} is absent (it lives in ../shared/data beside the repo)")
+    pcm = _speech_pcm()
+    start = int(offset_s * RATE)
+    end = len(pcm) if seconds is None else start + int(seconds * RATE)
+    return pcm[start:end]
+
+
+def speech_frames(n: int, offset_s: float = 1.0) -> np.ndarray:
+    """``n`` whole 80 ms frames of speech, float32 [n, 1920]."""
+    return speech(n * FRAME / RATE + 0.01, offset_s)[: n * FRAME].reshape(n, FRAME)
+
+
+def f32_append(frame: np.ndarray, **extra: Any) -> dict[str, Any]:
+    return {"type": "input_audio_buffer.append",
+            "audio": base64.b64encode(np.asarray(frame, dtype="<f4").tobytes()).decode(), **extra}
+
+
+def pcm16_b64(samples: np.ndarray) -> str:
+    return base64.b64encode(np.clip(np.rint(samples * 32767), -32768, 32767).astype("<i2").tobytes()).decode()
+
+
+def delta_pcm(event: dict[str, Any]) -> np.ndarray:
+    """The int16 samples of one ``response.output_audio.delta`` (strict base64)."""
+    raw = base64.b64decode(event["delta"], validate=True)
+    assert len(raw) % 2 == 0, "PCM16 delta with an odd byte count"
+    return np.frombuffer(raw, dtype="<i2")
+
+
+REFERENCE_SESSION = {
+    "model": "nvidia/personaplex-7b-v1",
+    "modalities": ["audio", "text"],
+    "input_audio_format": "pcm_f32le",
+    "output_audio_format": "pcm16",
+    "sample_rate_hz": 24000,
+    "audio": {"input": {"sample_rate_hz": 24000}, "output": {"sample_rate_hz": 24000}},
+    "voice": "NATF2.pt",
+    "instructions": "You are a concise and helpful assistant.",
+    "turn_detection": None,
+    "extra_body": {"auto_response": True},
+}
+
+
+class Server:
+    """``python -m hypercorn orchestrator:app`` on 127.0.0.1, port chosen by the OS."""
+
+    def __init__(self, **settings: Any) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PERSONAPLEX_") or k == "PERSONAPLEX_CACHE_DIR"}
+        env.update({f"PERSONAPLEX_{k.upper()}": str(v) for k, v in settings.items()})
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        self.log: deque[str] = deque(maxlen=5000)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hypercorn", "orchestrator:app", "--bind", "127.0.0.1:0", "--graceful-timeout", "2"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.port: int | None = None
+        found = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.log.append(line.rstrip())
+                if self.port is None and "Running on http://127.0.0.1:" in line:
+                    self.port = int(line.split("Running on http://127.0.0.1:")[1].split()[0])
+                    found.set()
+            found.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not found.wait(60) or self.port is None:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + self.logs())
+        self.http = f"http://127.0.0.1:{self.port}"
+        self.ws = f"ws://127.0.0.1:{self.port}"
+        self.wait_ready()
+
+    def logs(self) -> str:
+        return "\n".join(self.log)
+
+    def get(self, path: str) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(self.http + path, timeout=10) as resp:
+                body = resp.read().decode()
+                status = resp.status
+        except urllib.error.HTTPError as err:
+            body, status = err.read().decode(), err.code
+        try:
+            return status, json.loads(body)
+        except ValueError:
+            return status, body
+
+    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + self.logs())
+            status, body = self.get("/ready")
+            if status == 200:
+                return body
+            time.sleep(0.1)
+        raise RuntimeError("server never became ready:\n" + self.logs())
+
+    def wait_free_slots(self, n: int, timeout: float = 10.0) -> None:
+        """Wait until ``n`` admission slots are free (earlier sessions' cleanup is async)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status, body = self.get("/ready")
+            if status == 200 and body["free_slots"] >= n:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"free slots never reached {n}: {self.get('/ready')}")
+
+    def metric(self, series: str) -> float:
+        """The value of one series, e.g. ``personaplex_errors_total{code="bad_event"}`` (0 if absent)."""
+        status, text = self.get("/metrics")
+        assert status == 200
+        for line in text.splitlines():
+            if not line.startswith("#") and line.rsplit(" ", 1)[0] == series:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def assert_clean_log(self) -> None:
+        """No exception escaped anywhere in the server while the tests ran."""
+        text = self.logs()
+        assert "Traceback" not in text and " ERROR " not in text, text[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class Client:
+    """A websocket client that records every server event (with its arrival time)."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.events: list[dict[str, Any]] = []
+        self.times: list[float] = []
+        self._cursor = 0
+        self.close_code: int | None = None
+        self.close_reason: str | None = None
+
+    @classmethod
+    async def connect(cls, url: str, **kwargs: Any) -> "Client":
+        kwargs.setdefault("max_size", 64 * 2**20)
+        kwargs.setdefault("proxy", None)
+        return cls(await websockets.connect(url, **kwargs))
+
+    async def send(self, event: dict[str, Any] | str | bytes) -> None:
+        await self.ws.send(event if isinstance(event, (str, bytes)) else json.dumps(event))
+
+    async def _recv(self, timeout: float) -> dict[str, Any] | None:
+        try:
+            message = await asyncio.wait_for(self.ws.recv(), timeout)
+        except websockets.ConnectionClosed as exc:
+            self.close_code = exc.rcvd.code if exc.rcvd else None
+            self.close_reason = exc.rcvd.reason if exc.rcvd else None
+            return None
+        assert isinstance(message, str), "the server sent a binary frame"
+        event = json.loads(message)
+        assert isinstance(event, dict) and isinstance(event.get("type"), str), f"not an event object: {message[:200]}"
+        if "delta" in event:
+            assert event["delta"] is not None, f"delta: null in {event['type']}"
+        self.events.append(event)
+        self.times.append(time.monotonic())
+        return event
+
+    async def next(self, predicate: Callable[[dict[str, Any]], bool] | str, timeout: float = 20.0) -> dict[str, Any]:
+        """The next event (after the last one returned) that matches; reads as needed."""
+        match = (lambda e: e["type"] == predicate) if isinstance(predicate, str) else predicate
+        deadline = time.monotonic() + timeout
+        while True:
+            while self._cursor < len(self.events):
+                event = self.events[self._cursor]
+                self._cursor += 1
+                if match(event):
+                    return event
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.close_code is not None:
+                raise AssertionError(f"no matching event within {timeout} s (closed={self.close_code}); "
+                                     f"last: {[e['type'] for e in self.events[-8:]]}")
+            try:
+                await self._recv(remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    async def drain(self, seconds: float) -> list[dict[str, Any]]:
+        """Read whatever arrives within ``seconds``; returns those events."""
+        start = len(self.events)
+        deadline = time.monotonic() + seconds
+        while self.close_code is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                if await self._recv(remaining) is None:
+                    break
+            except asyncio.TimeoutError:
+                break
+        return self.events[start:]
+
+    async def wait_closed(self, timeout: float = 20.0) -> tuple[int | None, str | None]:
+        deadline = time.monotonic() + timeout
+        while self.close_code is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError("the server did not close the socket")
+            try:
+                await self._recv(remaining)
+            except asyncio.TimeoutError:
+                continue
+        return self.close_code, self.close_reason
+
+    async def open(self, **session: Any) -> dict[str, Any]:
+        """Send the reference client's session.update (fields overridden by ``session``)."""
+        payload = {**REFERENCE_SESSION, **session}
+        await self.send({"type": "session.update", "session": {k: v for k, v in payload.items() if v is not ...}})
+        created = await self.next(lambda e: e["type"] in ("session.created", "error"))
+        assert created["type"] == "session.created", created
+        await self.next("session.updated")
+        return created["session"]
+
+    def audio(self, response_id: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == "response.output_audio.delta"
+                and (response_id is None or e["response_id"] == response_id)]
+
+    async def wait_audio_frames(self, n: int, timeout: float = 60.0, response_id: str | None = None) -> np.ndarray:
+        """Read until ``n`` output frames arrived; returns the concatenated int16 PCM."""
+        deadline = time.monotonic() + timeout
+        while sum(len(delta_pcm(e)) for e in self.audio(response_id)) < n * FRAME:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.close_code is not None:
+                have = sum(len(delta_pcm(e)) for e in self.audio(response_id)) // FRAME
+                raise AssertionError(f"got {have} of {n} output frames (closed={self.close_code})")
+            try:
+                await self._recv(remaining)
+            except asyncio.TimeoutError:
+                continue
+        return np.concatenate([delta_pcm(e) for e in self.audio(response_id)])
+
+    async def close(self) -> None:
+        await self.ws.close()

@@ -1,0 +1,183 @@
+"""The tick scheduler driving the real engine (embedded tiny checkpoint on CPU), without a
+server: batching policy, silence feeding, epochs, slot release and job placement."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engines.factory import create_engine
+from engines.interface import InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec
+from orchestrator.metrics import Metrics
+from orchestrator.scheduler import FrameResult, TickScheduler
+
+GREEDY = SessionSpec(sampling=SamplingParams(greedy=True))
+
+
+class Collector:
+    """Stands in for the event loop: runs the scheduler's hand-backs right away and records them."""
+
+    def __init__(self) -> None:
+        self.results: list[FrameResult] = []
+        self.cond = threading.Condition()
+
+    def call_soon_threadsafe(self, fn, *args):
+        fn(*args)
+
+    def deliver(self, results) -> None:
+        with self.cond:
+            self.results.extend(results)
+            self.cond.notify_all()
+
+    def of(self, key: str) -> list[FrameResult]:
+        with self.cond:
+            return [r for r in self.results if r.key == key]
+
+    def wait(self, predicate, timeout: float = 30.0) -> None:
+        with self.cond:
+            assert self.cond.wait_for(predicate, timeout), "timed out waiting for results"
+
+
+@pytest.fixture
+def make_scheduler():
+    made: list[TickScheduler] = []
+
+    def make(max_slots: int = 2, window_ms: float = 20.0, grace_s: float = 0.0):
+        sink = Collector()
+        scheduler = TickScheduler(lambda: create_engine(None, max_slots=max_slots), batch_window_s=window_ms / 1e3,
+                                  silence_grace_s=grace_s, warmup_frames=2, metrics=Metrics())
+        scheduler.start(sink, sink.deliver)
+        assert scheduler.ready.wait(120) and scheduler.load_error is None
+        made.append(scheduler)
+        return scheduler, sink
+
+    yield make
+    for scheduler in made:
+        scheduler.stop()
+
+
+def frames(n: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((n, 1920)) * 0.05).astype(np.float32)
+
+
+def test_ready_frames_of_all_lanes_tick_together(make_scheduler):
+    scheduler, sink = make_scheduler()
+    assert scheduler.open("a", GREEDY).result(30) != scheduler.open("b", GREEDY).result(30)
+    for i in range(5):
+        with scheduler._cond:  # both frames land before the scheduler can look
+            scheduler.push("a", 0, frames(1, i))
+            scheduler.push("b", 0, frames(1, 10 + i))
+        sink.wait(lambda: len(sink.results) == 2 * (i + 1))
+    a, b = sink.of("a"), sink.of("b")
+    assert [r.tick for r in a] == [r.tick for r in b], "frames of both lanes must share their ticks"
+    assert all(r.batch_size == 2 for r in a + b)
+    assert all(r.pcm16.dtype == np.int16 and r.pcm16.shape == (1920,) for r in a + b)
+
+
+def test_lone_frame_waits_for_the_window_only(make_scheduler):
+    scheduler, sink = make_scheduler(window_ms=60.0)
+    scheduler.open("a", GREEDY).result(30)
+    scheduler.open("idle", GREEDY).result(30)
+    scheduler.push("a", 0, frames(1))
+    sink.wait(lambda: len(sink.results) == 1)
+    (result,) = sink.results
+    assert result.batch_size == 1 and result.wait_ms >= 60.0 - 1.0  # waited for the idle lane's frame
+
+
+def test_backlog_runs_back_to_back_and_joins_paced_lane(make_scheduler):
+    """A client faster than real time is served as fast as the engine goes, in order; a
+    slower lane rides along in the same ticks whenever it has a frame."""
+    scheduler, sink = make_scheduler(window_ms=1000.0)
+    scheduler.open("fast", GREEDY).result(30)
+    scheduler.open("slow", GREEDY).result(30)
+    with scheduler._cond:
+        scheduler.push("fast", 0, frames(12))
+        scheduler.push("slow", 0, frames(1, 5))
+    sink.wait(lambda: len(sink.of("fast")) == 12)
+    fast, slow = sink.of("fast"), sink.of("slow")
+    assert [r.tick for r in fast] == sorted(r.tick for r in fast) and len(slow) == 1
+    assert slow[0].tick == fast[0].tick and slow[0].batch_size == 2
+    # The backlog did not wait the 1 s window for the slow lane between its frames.
+    assert all(r.batch_size == 1 for r in fast[1:])
+    assert fast[-1].wait_ms < 1000.0
+
+
+def test_output_depends_only_on_the_lane_input(make_scheduler):
+    """Greedy lanes fed the same frames produce the same audio whether they run alone or
+    batched with a busy neighbour: no state crosses slots."""
+    scheduler, sink = make_scheduler()
+    scheduler.open("alone", GREEDY).result(30)
+    scheduler.push("alone", 0, frames(6))
+    sink.wait(lambda: len(sink.of("alone")) == 6)
+    scheduler.close("alone").result(30)
+    scheduler.open("x", GREEDY).result(30)
+    scheduler.open("noise", SessionSpec()).result(30)
+    with scheduler._cond:
+        scheduler.push("x", 0, frames(6))
+        scheduler.push("noise", 0, frames(6, 99) * 10)
+    sink.wait(lambda: len(sink.of("x")) == 6)
+    alone = np.stack([r.pcm16 for r in sink.of("alone")])
+    batched = np.stack([r.pcm16 for r in sink.of("x")])
+    np.testing.assert_allclose(batched.astype(np.float32), alone.astype(np.float32), atol=2)
+
+
+def test_restart_drops_old_epoch_frames(make_scheduler):
+    scheduler, sink = make_scheduler()
+    scheduler.open("a", GREEDY).result(30)
+    with scheduler._cond:  # queued together with the restart: none of them may run
+        scheduler.push("a", 0, frames(50))
+        scheduler.restart("a", 1)
+        scheduler.push("a", 0, frames(3))  # late frames of the old epoch are ignored
+        scheduler.push("a", 1, frames(4))
+    sink.wait(lambda: len(sink.results) == 4)
+    time.sleep(0.2)
+    assert [r.epoch for r in sink.results] == [1, 1, 1, 1]
+
+
+def test_silence_is_fed_after_the_grace(make_scheduler):
+    scheduler, sink = make_scheduler(grace_s=0.3)
+    opened = time.monotonic()
+    scheduler.open("quiet", GREEDY).result(30)
+    sink.wait(lambda: len(sink.results) >= 5, timeout=10)
+    first = sink.results[0]
+    assert all(r.silence_input for r in sink.results[:5])
+    assert time.monotonic() - opened >= 0.3 + 4 * 0.08 - 0.05  # paced, after the grace
+    scheduler.push("quiet", 0, frames(1))
+    sink.wait(lambda: any(not r.silence_input for r in sink.results))
+    assert first.epoch == 0
+
+
+def test_close_releases_the_engine_slot_and_cancels_pending_opens(make_scheduler):
+    scheduler, sink = make_scheduler(max_slots=1)
+    scheduler.open("a", GREEDY).result(30)
+    with pytest.raises(NoFreeSlot):
+        scheduler.open("b", GREEDY).result(30)
+    scheduler.close("a").result(30)
+    assert scheduler.open("c", GREEDY).result(30) is not None
+    with pytest.raises(InvalidSessionSpec):
+        scheduler.open("d", SessionSpec(voice="NOBODY.pt")).result(30)
+    # A close that overtakes its own pending open cancels it.
+    with scheduler._cond:
+        pending = scheduler.open("e", GREEDY)
+        closed = scheduler.close("e")
+    closed.result(30)
+    assert pending.cancelled()
+
+
+def test_open_runs_between_ticks_without_starving(make_scheduler):
+    """A joining session's prefill is placed right after a tick: a lane with a long backlog
+    does not delay it, and it delays that lane by at most one job per tick."""
+    scheduler, sink = make_scheduler()
+    scheduler.open("busy", GREEDY).result(30)
+    scheduler.push("busy", 0, frames(40))
+    sink.wait(lambda: len(sink.of("busy")) >= 3)
+    ticks_at_request = len(sink.of("busy"))
+    seen: list[int] = []
+    future = scheduler.open("joiner", GREEDY)
+    future.add_done_callback(lambda _: seen.append(len(sink.of("busy"))))
+    future.result(30)
+    assert seen[0] <= ticks_at_request + 1
+    sink.wait(lambda: len(sink.of("busy")) == 40)
