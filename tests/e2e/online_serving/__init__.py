@@ -1,0 +1,1 @@
+"""Client-side drivers for an online (websocket) deployment and their tests."""

@@ -1,0 +1,96 @@
+"""Every setting of a driver run in one typed place (the CLI builds it from its flags)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .acceptance import Thresholds
+
+DEFAULT_URL = "ws://127.0.0.1:8000/v1/realtime?duplex=1"
+DEFAULT_OUTPUT_DIR = "/tmp/personaplex-realtime-duplex"
+DEFAULT_VOICE = "NATF2.pt"
+DEFAULT_PERSONA = "You are a concise and helpful assistant."
+DEFAULT_SECONDARY_PERSONA = "You are a calm and precise assistant."
+DEFAULT_REPLACEMENT_PERSONA = "You are a cheerful travel assistant."
+MAX_LOAD_SESSIONS = 64
+MAX_LOAD_FRAMES = 10_000
+
+
+class OptionsError(ValueError):
+    """A setting is out of range; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class Options:
+    model: str
+    input_wav: Path
+    url: str = DEFAULT_URL
+    output_dir: Path = Path(DEFAULT_OUTPUT_DIR)
+    expected_input_sha256: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # from --api-key-env; never exported
+    # Voice and personas.
+    voice: str = DEFAULT_VOICE
+    persona: str = DEFAULT_PERSONA
+    secondary_persona: str = DEFAULT_SECONDARY_PERSONA
+    replacement_persona: str = DEFAULT_REPLACEMENT_PERSONA
+    # Timing.
+    tail_s: float = 2.0
+    drain_s: float = 2.0
+    timeout_s: float = 180.0
+    cleanup_timeout_s: float = 5.0
+    progress_s: float = 5.0
+    # Acceptance.
+    thresholds: Thresholds = Thresholds()
+    replacement_frames: int = 0
+    admission_limit: int = 2
+    # Load mode (sessions=None selects the lifecycle mode).
+    sessions: int | None = None
+    load_frames: int = 1000
+    max_client_rtf: float | None = None
+    max_stream_rtf: float | None = None
+    max_lag_drift_ms: float | None = None
+    server_revision: str | None = None
+    server_hardware: str | None = None
+    plot: bool = False
+
+    @property
+    def load_mode(self) -> bool:
+        return self.sessions is not None
+
+    def validate(self) -> None:
+        """Raise ``OptionsError`` naming the first flag out of range."""
+        def finite(name: str, value: float, *, positive: bool = False) -> None:
+            if not math.isfinite(value) or value < 0 or (positive and value == 0):
+                raise OptionsError(f"--{name} must be finite and {'> 0' if positive else '>= 0'}, got {value}")
+
+        for name, value in (("tail-s", self.tail_s), ("drain-s", self.drain_s)):
+            finite(name, value)
+        for name, value in (("timeout-s", self.timeout_s), ("cleanup-timeout-s", self.cleanup_timeout_s),
+                            ("progress-s", self.progress_s)):
+            finite(name, value, positive=True)
+        t = self.thresholds
+        if t.max_frame_deficit < 0:
+            raise OptionsError(f"--max-frame-deficit must be >= 0, got {t.max_frame_deficit}")
+        if t.min_voiced_frames < 1:
+            raise OptionsError(f"--min-voiced-frames must be >= 1, got {t.min_voiced_frames}")
+        if t.minimum_audio_chunks < 1:
+            raise OptionsError(f"--minimum-audio-chunks must be >= 1, got {t.minimum_audio_chunks}")
+        finite("voiced-frame-rms-threshold", t.voiced_frame_rms_threshold)
+        if self.replacement_frames < 0:
+            raise OptionsError(f"--replacement-frames must be >= 0, got {self.replacement_frames}")
+        if self.admission_limit < 2:
+            raise OptionsError(f"--admission-limit must be >= 2 (the lifecycle runs two sessions at once), "
+                               f"got {self.admission_limit}")
+        if self.sessions is not None and not 1 <= self.sessions <= MAX_LOAD_SESSIONS:
+            raise OptionsError(f"--sessions must be in [1, {MAX_LOAD_SESSIONS}], got {self.sessions}")
+        if not 1 <= self.load_frames <= MAX_LOAD_FRAMES:
+            raise OptionsError(f"--load-frames must be in [1, {MAX_LOAD_FRAMES}], got {self.load_frames}")
+        for name, value in (("max-client-rtf", self.max_client_rtf), ("max-stream-rtf", self.max_stream_rtf)):
+            if value is not None:
+                finite(name, value, positive=True)
+        if self.max_lag_drift_ms is not None:
+            finite("max-lag-drift-ms", self.max_lag_drift_ms)
+        if not self.url.startswith(("ws://", "wss://")):
+            raise OptionsError(f"--url must be a ws:// or wss:// URL, got {self.url.split('?')[0]!r}")

@@ -1,0 +1,80 @@
+"""Writing results (strict JSON) and the short human summary printed at the end of a run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def plain(value: Any, where: str = "$") -> Any:
+    """``value`` as JSON-ready Python data: numpy scalars become int/float/bool and a
+    non-finite float becomes null (a missing value), with a warning naming where it was."""
+    if isinstance(value, dict):
+        return {str(k): plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, (set, frozenset)):
+        return [plain(v, where) for v in sorted(value)]
+    if hasattr(value, "item") and callable(value.item):  # numpy scalar
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        log.warning("non-finite value at %s written as null", where)
+        return None
+    return value
+
+
+def write_json(path: Path, data: dict[str, Any], *, exclusive: bool = False) -> None:
+    """Indented JSON with ``allow_nan=False``; ``exclusive`` opens with mode "x" so an
+    existing file is never replaced."""
+    text = json.dumps(plain(data), ensure_ascii=False, indent=2, allow_nan=False) + "\n"
+    with path.open("x" if exclusive else "w", encoding="utf-8") as stream:
+        stream.write(text)
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def load_summary(result: dict[str, Any], path: Path) -> str:
+    """One line per session and a verdict."""
+    lines = [f"{'#':>3} {'ok':>3} {'first audio ms':>14} {'interval p50/p99 ms':>19} {'client RTF':>10} "
+             f"{'stream RTF':>10} {'underrun s':>10} {'deficit':>7}  error"]
+    for row in result["sessions"]:
+        interval = row["client_audio_packet_interval_ms"]
+        lines.append(
+            f"{row['index']:>3} {_fmt(row['ok']):>3} {_fmt(row['client_first_audio_after_stream_start_ms']):>14} "
+            f"{_fmt(interval['median']) + '/' + _fmt(interval['p99']):>19} {_fmt(row['client_stream_rtf'], 3):>10} "
+            f"{_fmt(row['server_stream_rtf'], 3):>10} {_fmt(row['audio_underrun_s'], 3):>10} "
+            f"{_fmt(row['frame_deficit']):>7}  {row['error'] or ''}")
+    verdict = "OK" if result["ok"] else "NOT OK"
+    lines.append(f"{verdict}: {result['passed_sessions']} of {result['requested_sessions']} sessions passed; "
+                 f"result in {path}")
+    if result["client_pacing_warning_sessions"]:
+        lines.append(f"warning: the client could not keep its 80 ms pacing in sessions "
+                     f"{result['client_pacing_warning_sessions']} (send lateness p99 > 80 ms)")
+    return "\n".join(lines)
+
+
+def lifecycle_summary(result: dict[str, Any], path: Path) -> str:
+    lines = []
+    for name in ("primary", "secondary", "replacement"):
+        stats = result.get(name) or {}
+        if stats:
+            lines.append(f"{name:>11}: {stats.get('session_id')}  input {_fmt(stats.get('input_frames'))} frames  "
+                         f"output {_fmt(stats.get('output_frames'))} frames  deficit {_fmt(stats.get('frame_deficit'))}"
+                         f"  voiced {_fmt(stats.get('voiced_frames'))}  check {stats.get('acceptance_check') or 'ok'}")
+    failure = result.get("failure")
+    verdict = "OK" if result["ok"] else f"NOT OK ({failure['step']}: {failure['message']})" if failure else "NOT OK"
+    lines.append(f"{verdict}; result in {path}")
+    return "\n".join(lines)
