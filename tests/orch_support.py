@@ -173,6 +173,31 @@ class Server:
                 self.proc.wait(5)
 
 
+# Clients of the scenario that ``run`` is executing: closed whatever way it ends.
+_OPEN_CLIENTS: list["Client"] = []
+
+
+def run(coro: Any) -> Any:
+    """``asyncio.run`` a test scenario, then close every websocket it opened.
+
+    A scenario that fails or skips half-way must not leave its sessions holding slots of
+    the shared server (that would fail every later test on admission instead of its own).
+    """
+
+    async def guarded() -> Any:
+        try:
+            return await coro
+        finally:
+            clients, _OPEN_CLIENTS[:] = list(_OPEN_CLIENTS), []
+            for client in clients:
+                try:
+                    await asyncio.wait_for(client.ws.close(), 5)
+                except Exception:  # noqa: BLE001 - already closed or broken: nothing to free
+                    pass
+
+    return asyncio.run(guarded())
+
+
 class Client:
     """A websocket client that records every server event (with its arrival time)."""
 
@@ -188,7 +213,9 @@ class Client:
     async def connect(cls, url: str, **kwargs: Any) -> "Client":
         kwargs.setdefault("max_size", 64 * 2**20)
         kwargs.setdefault("proxy", None)
-        return cls(await websockets.connect(url, **kwargs))
+        client = cls(await websockets.connect(url, **kwargs))
+        _OPEN_CLIENTS.append(client)
+        return client
 
     async def send(self, event: dict[str, Any] | str | bytes) -> None:
         await self.ws.send(event if isinstance(event, (str, bytes)) else json.dumps(event))

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from tests.orch_support import FRAME, Client, Server, delta_pcm, f32_append, speech_frames
+from tests.orch_support import FRAME, Client, Server, delta_pcm, f32_append, speech_frames, run
 
 PERSONA_A = "You are a concise and helpful assistant."
 PERSONA_B = "You are a calm and precise assistant."
@@ -19,8 +19,6 @@ CAPABILITY_CHECKS = {"implementation_level": "model_native_duplex", "chunk_perio
                      "supports_barge_in": False, "supports_client_commit": False, "supports_session_resume": False}
 
 
-def run(coro):
-    return asyncio.run(coro)
 
 
 async def stream_paced(client: Client, frames: np.ndarray, period: float = 0.08) -> None:

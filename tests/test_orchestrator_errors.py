@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 
 import numpy as np
 import pytest
 
-from tests.orch_support import Client, Server, f32_append, speech_frames
+from tests.orch_support import Client, Server, f32_append, speech_frames, run
 
-run = asyncio.run
 
 
 async def prove_session_works(client: Client, n: int = 3) -> None:

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import websockets
 
-from tests.orch_support import FRAME, Client, Server, delta_pcm, f32_append, speech, speech_frames
+from tests.orch_support import FRAME, Client, Server, delta_pcm, f32_append, speech, speech_frames, run
 
-run = asyncio.run
 KEY = {"Authorization": "Bearer test-key-2"}
 
 
