@@ -34,12 +34,8 @@ def create_torch_engine(
     is_demo = checkpoint is None and not locate_overrides.get("lm_weights")
     if is_demo:
         checkpoint = ensure_tiny_checkpoint()
-        log.warning(
-            "serving the embedded tiny demo checkpoint from %s: an UNTRAINED random model whose "
-            "audio is noise. Point PERSONAPLEX_CHECKPOINT (or --checkpoint) at a downloaded "
-            "nvidia/personaplex-7b-v1 directory to serve real weights.",
-            checkpoint,
-        )
+        # The server and the CLIs each say how to point at real weights in their own terms.
+        log.info("using the embedded tiny demo checkpoint (untrained) at %s", checkpoint)
     files = ckpt.locate(checkpoint, **locate_overrides)
     options = EngineOptions(device=device, window=window, depformer_steps=depformer_steps)
     return PersonaPlexEngine.from_files(files, max_slots, options, is_demo=is_demo)

@@ -95,6 +95,9 @@ def run(args: argparse.Namespace) -> None:
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
     user_pcm = read_audio(args.input_wav)
+    if args.checkpoint is None and args.moshi_weight is None:
+        log.warning("no --checkpoint given: using the embedded tiny demo model, which is UNTRAINED "
+                    "(its speech is noise); pass --checkpoint DIR of a downloaded nvidia/personaplex-7b-v1")
     engine = create_torch_engine(args.checkpoint, max_slots=1, device=device,
                                  window=args.window, depformer_steps=args.depformer_steps, **overrides)
     if voice_wav:

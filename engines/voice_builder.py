@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{out} exists; pass --force to overwrite")
     from .factory import create_torch_engine
 
+    if args.checkpoint is None:
+        log.warning("no --checkpoint given: building the voice with the embedded tiny demo model; "
+                    "such a voice only fits that model (pass --checkpoint DIR for real weights)")
     try:
         engine = create_torch_engine(args.checkpoint, max_slots=1, device=args.device)
         pcm = read_audio(args.input_wav)
