@@ -107,8 +107,9 @@ class SlotKVRing:
         lk, lv = self.keys[layer], self.values[layer]
         if T == 1 and gpu_attention.available(q.device):
             # Decode step on a GPU: read each slot's window in place instead of gathering it.
-            lk[slots, :, torch.remainder(positions[:, 0], C)] = k[:, :, 0]
-            lv[slots, :, torch.remainder(positions[:, 0], C)] = v[:, :, 0]
+            ring_idx = torch.remainder(positions[:, 0], C)
+            lk[slots, :, ring_idx] = k[:, :, 0]
+            lv[slots, :, ring_idx] = v[:, :, 0]
             out = gpu_attention.decode_attention(q[:, :, 0], lk, lv, slots, positions[:, 0], lo.reshape(B, -1)[:, 0])
             return out.unsqueeze(2)
         if T <= C:
