@@ -18,7 +18,7 @@ from torch import nn
 from .config import LMConfig
 from .modules.kv_ring import SlotKVRing, WindowMode, window_start
 from .modules.layers import embed, gated_ffn, linear, rms_norm
-from .modules.rope import apply_rope
+from .modules.rope import rope_tables, rotate
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -108,11 +108,11 @@ class MoshiLM(nn.Module):
         positions = kv.positions(slots, T)
         lo = window_start(positions, positions + 1, kv.capacity, window)
         H, Dh = cfg.num_heads, cfg.head_dim
+        tables = rope_tables(positions, Dh, cfg.max_period)  # shared by all layers
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.norm1, cfg.norm_eps)
             q, k, v = linear(h, layer.in_proj).view(B, T, 3, H, Dh).permute(2, 0, 3, 1, 4)
-            q = apply_rope(q, positions, cfg.max_period)
-            k = apply_rope(k, positions, cfg.max_period)
+            q, k = rotate(q, tables), rotate(k, tables)
             a = kv.attend(i, slots, q, k, v, positions, lo)
             x = x + linear(a.transpose(1, 2).reshape(B, T, H * Dh), layer.out_proj)
             x = x + gated_ffn(rms_norm(x, layer.norm2, cfg.norm_eps), layer.ffn_in, layer.ffn_out)

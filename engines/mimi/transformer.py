@@ -21,7 +21,7 @@ from engines.config import MimiTransformerConfig
 from engines.mimi import ops
 from engines.mimi.checkpoint import CheckpointTensors, copy_into
 from engines.modules.kv_ring import SlotKVRing, WindowMode, window_start
-from engines.modules.rope import apply_rope
+from engines.modules.rope import rope_tables, rotate
 
 LAYER_NORM_EPS = 1e-5
 
@@ -64,13 +64,12 @@ class TransformerLayer(nn.Module):
             param = getattr(self, attr)
             copy_into(param, ckpt.take(key, param.shape, aliases))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
         B, T, D = x.shape
         H = self.num_heads
         h = F.layer_norm(x, (D,), self.norm1_weight, self.norm1_bias, LAYER_NORM_EPS)
         q, k, v = ops.linear(h, self.in_proj).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
-        q = apply_rope(q, positions, self.max_period)
-        k = apply_rope(k, positions, self.max_period)
+        q, k = rotate(q, rope), rotate(k, rope)
         attended = attend(q, k, v).transpose(1, 2).reshape(B, T, D)
         x = x + self.layer_scale_1 * ops.linear(attended, self.out_proj)
         h = F.layer_norm(x, (D,), self.norm2_weight, self.norm2_bias, LAYER_NORM_EPS)
@@ -92,6 +91,11 @@ class MimiTransformer(nn.Module):
         self.ring = SlotKVRing(cfg.num_layers, num_slots, cfg.num_heads, cfg.context,
                                cfg.d_model // cfg.num_heads, device=device, dtype=dtype)
 
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for ``positions``, computed once and shared by every layer."""
+        layer = self.layers[0]
+        return rope_tables(positions, layer.in_proj.shape[1] // layer.num_heads, layer.max_period)
+
     def load(self, ckpt: CheckpointTensors) -> None:
         for i, layer in enumerate(self.layers):
             layer.load(ckpt, f"{self.root}.transformer.layers.{i}")
@@ -106,10 +110,11 @@ class MimiTransformer(nn.Module):
         # The reference labels ring slots by the end of the whole call, not per query.
         call_end = (positions[:, -1:] + 1).expand_as(positions)
         lo = window_start(positions, call_end, self.context, self.window)
+        rope = self._rope(positions)
         for i, layer in enumerate(self.layers):
             def attend(q, k, v, i=i):
                 return self.ring.attend(i, slots, q, k, v, positions, lo)
-            x = layer(x, positions, attend)
+            x = layer(x, rope, attend)
         self.ring.advance(slots, T)
         return x
 
@@ -124,6 +129,7 @@ class MimiTransformer(nn.Module):
         def attend(q, k, v):
             return F.scaled_dot_product_attention(q, k, v, mask)
 
+        rope = self._rope(positions)
         for layer in self.layers:
-            x = layer(x, positions, attend)
+            x = layer(x, rope, attend)
         return x
