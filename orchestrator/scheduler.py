@@ -373,9 +373,7 @@ class TickScheduler:
         if kind == "open":
             spec, future = job[2], job[3]
             try:
-                engine.validate(spec)
-                engine.prepare(spec)
-                slot = engine.open_slot(spec)
+                slot = engine.open_slot(spec)  # validates and prepares (cached prefill) itself
             except Exception as exc:  # noqa: BLE001 - EngineError subclasses carry the client code
                 _settle(future, error=exc)
                 return
