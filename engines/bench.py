@@ -23,6 +23,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -66,14 +67,15 @@ def random_mimi(cfg: MimiConfig, num_slots: int, device: torch.device, seed: int
 
 def build_random_engine(num_slots: int, device: str, tokenizer_path: Path, steps: int = 8,
                         lm_cfg: LMConfig = LMConfig(), mimi_cfg: MimiConfig = MimiConfig(),
-                        cuda_graphs: bool = True) -> PersonaPlexEngine:
+                        cuda_graphs: bool = True, kv_cache: str = "auto", compile: bool = False) -> PersonaPlexEngine:
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     lm = random_lm(lm_cfg, steps, dev, dtype)
     mimi = random_mimi(mimi_cfg, num_slots + 1, dev)
     voices = VoiceStore(None, None, None, lm_cfg.dim, lm_cfg.num_streams)
     return PersonaPlexEngine(lm, mimi, TextTokenizer(tokenizer_path), voices, num_slots,
-                             EngineOptions(device=device, depformer_steps=steps, cuda_graphs=cuda_graphs),
+                             EngineOptions(device=device, depformer_steps=steps, cuda_graphs=cuda_graphs,
+                                           kv_cache=kv_cache, compile=compile),
                              model_name="random-7b-shapes")
 
 
@@ -152,16 +154,59 @@ def _bench_one(engine: PersonaPlexEngine, B: int, spec: SessionSpec, ticks: int,
 
 
 def bench_prefill(engine: PersonaPlexEngine, voice: VoicePrompt, persona_tokens: list[int]) -> dict:
-    for _ in range(2):  # the first call pays allocator and kernel warm-up
+    """Cold prefill of one (voice, persona): the host-side token plan, then the GPU pass.
+
+    ``gpu_ms`` (CUDA events around the transformer pass and the export of its keys/values,
+    after the plan) is the device time a joining session costs; ``total_ms`` is host wall
+    time of the whole ``build_prefill``.
+    """
+    from .prefill import plan_prompt
+
+    cfg = engine.cfg
+    for _ in range(3):  # the first calls pay allocator, kernel and compile warm-up
+        t0 = time.perf_counter()
+        plan = plan_prompt(cfg, voice, persona_tokens)
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         with torch.inference_mode():
-            p = build_prefill(engine.lm, engine.kv, voice, persona_tokens,
-                              engine.options.window, scratch_slot=engine.scratch)
-        end.record()
+            x = torch.cat([voice.embeddings.to(engine.device, engine.lm.dtype),
+                           engine.lm.embed_tokens(plan.inputs.to(engine.device).unsqueeze(0))[0]]).unsqueeze(0)
+            slot = torch.tensor([engine.scratch], device=engine.device)
+            start.record()
+            engine.kv.reset(slot)
+            engine.lm.temporal(slot, x, engine.kv, engine.options.window)
+            engine.kv.export(engine.scratch, 0, x.shape[1])
+            end.record()
         end.synchronize()
-    return {"voice_frames": voice.frames, "persona_tokens": len(persona_tokens),
-            "positions": p.positions, "gpu_ms": start.elapsed_time(end)}
+        total_ms = (time.perf_counter() - t0) * 1e3 + plan_ms
+    return {"voice_frames": voice.frames, "persona_tokens": len(persona_tokens), "positions": x.shape[1],
+            "plan_cpu_ms": plan_ms, "gpu_ms": start.elapsed_time(end), "total_ms": total_ms}
+
+
+def fp8_attention_error(batch: int = 8, heads: int = 32, capacity: int = 3000, head_dim: int = 128,
+                        seed: int = 0) -> dict:
+    """Decode attention over a full 7B-shaped window: the fp8 cache against bf16, on random
+    activations with per-head magnitudes spread over two decades (as real K/V have)."""
+    from .gpu.attention import decode_attention
+    from .modules.kv_ring import quantize_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    spread = torch.logspace(-1, 1, heads, device="cuda").view(1, heads, 1, 1)
+    keys = (torch.randn(batch, heads, capacity, head_dim, device="cuda", generator=g) * spread).bfloat16()
+    values = (torch.randn(batch, heads, capacity, head_dim, device="cuda", generator=g) * spread).bfloat16()
+    q = torch.randn(batch, heads, head_dim, device="cuda", generator=g).bfloat16()
+    slots = torch.arange(batch, device="cuda")
+    q_pos = torch.full((batch,), 10 * capacity, device="cuda", dtype=torch.long)
+    lo = q_pos - capacity + 2
+    exact = decode_attention(q, keys, values, slots, q_pos, lo).float()
+    kq, ks = quantize_fp8(keys)
+    vq, vs = quantize_fp8(values)
+    approx = decode_attention(q, kq, vq, slots, q_pos, lo, scales=(ks, vs)).float()
+    err = (approx - exact).norm(dim=-1) / exact.norm(dim=-1)
+    return {"shape": [batch, heads, capacity, head_dim], "relative_error_mean": float(err.mean()),
+            "relative_error_max": float(err.max())}
 
 
 def bench_baseline(batch_sizes: list[int], ticks: int, warmup: int, speech: np.ndarray) -> list[dict]:
@@ -170,7 +215,7 @@ def bench_baseline(batch_sizes: list[int], ticks: int, warmup: int, speech: np.n
     import os
 
     os.environ.setdefault("NO_TORCH_COMPILE", "1")
-    from moshi.models import LMGen, loaders
+    from moshi.models import loaders
     from moshi.models.lm import LMModel
 
     kwargs = dict(loaders._lm_kwargs, dep_q=16)
@@ -184,31 +229,44 @@ def bench_baseline(batch_sizes: list[int], ticks: int, warmup: int, speech: np.n
     for B in batch_sizes:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        gen = LMGen(lm, use_sampling=False)
-        totals = []
-        with torch.no_grad(), gen.streaming(B), mimi.streaming(B):
-            for t in range(warmup + ticks):
-                start = (t * FRAME_SAMPLES) % (speech.shape[0] - FRAME_SAMPLES)
-                pcm = torch.from_numpy(np.repeat(speech[None, None, start : start + FRAME_SAMPLES], B, axis=0)).cuda()
-                t0 = time.perf_counter()
-                codes = mimi.encode(pcm)
-                out = gen.step(codes[:, :0])  # PersonaPlex shapes: 16 depformer steps, no user rows
-                if out is not None:
-                    pcm_out = mimi.decode(out[:, 1:9].clamp(0, 2047))
-                    pcm_out.cpu()
-                else:
-                    torch.cuda.synchronize()
-                if t >= warmup:
-                    totals.append((time.perf_counter() - t0) * 1e3)
-        row = {"batch": B, "tick_ms_p50": _percentile(totals, 50), "tick_ms_p99": _percentile(totals, 99),
-               "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "ticks": len(totals)}
-        log.info("baseline B=%d: tick p50 %.2f ms p99 %.2f ms", B, row["tick_ms_p50"], row["tick_ms_p99"])
-        results.append(row)
-        del gen
+        try:
+            results.append(_baseline_one(lm, mimi, B, ticks, warmup, speech))
+        except torch.cuda.OutOfMemoryError:
+            log.warning("baseline B=%d: out of GPU memory", B)
+            results.append({"batch": B, "error": "out of memory"})
+        torch.cuda.empty_cache()
     return results
 
 
+def _baseline_one(lm, mimi, B: int, ticks: int, warmup: int, speech: np.ndarray) -> dict:
+    from moshi.models import LMGen
+
+    gen = LMGen(lm, use_sampling=False)
+    totals = []
+    with torch.no_grad(), gen.streaming(B), mimi.streaming(B):
+        for t in range(warmup + ticks):
+            start = (t * FRAME_SAMPLES) % (speech.shape[0] - FRAME_SAMPLES)
+            pcm = torch.from_numpy(np.repeat(speech[None, None, start : start + FRAME_SAMPLES], B, axis=0)).cuda()
+            t0 = time.perf_counter()
+            codes = mimi.encode(pcm)
+            out = gen.step(codes[:, :0])  # PersonaPlex shapes: 16 depformer steps, no user rows
+            if out is not None:
+                mimi.decode(out[:, 1:9].clamp(0, 2047)).cpu()
+            else:
+                torch.cuda.synchronize()
+            if t >= warmup:
+                totals.append((time.perf_counter() - t0) * 1e3)
+    row = {"batch": B, "tick_ms_p50": _percentile(totals, 50), "tick_ms_p99": _percentile(totals, 99),
+           "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "ticks": len(totals)}
+    log.info("baseline B=%d: tick p50 %.2f ms p99 %.2f ms", B, row["tick_ms_p50"], row["tick_ms_p99"])
+    return row
+
+
 def _git_revision() -> str:
+    import os
+
+    if os.environ.get("BENCH_GIT_REVISION"):  # runs on a copy of the tree without .git
+        return os.environ["BENCH_GIT_REVISION"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
@@ -216,24 +274,100 @@ def _git_revision() -> str:
         return "unknown"
 
 
+@dataclass(frozen=True)
+class BenchConfig:
+    """One engine variant: KV cache storage and whether the blocks are compiled."""
+
+    name: str
+    kv_cache: str  # EngineOptions.kv_cache
+    compile: bool
+
+    @classmethod
+    def parse(cls, text: str) -> "BenchConfig":
+        kv, _, extra = text.partition("+")
+        if kv not in ("bf16", "fp8") or extra not in ("", "compile"):
+            raise ValueError(f"bad config {text!r}: expected bf16 or fp8, optionally +compile")
+        return cls(text, "fp8" if kv == "fp8" else "auto", extra == "compile")
+
+
+def slots_that_fit(cfg: LMConfig, config: BenchConfig, wanted: int, reserve_gb: float = 24.0) -> int:
+    """How many slots (+ the scratch slot) of full KV windows fit beside the weights."""
+    from .modules.kv_ring import kv_bytes_per_slot
+
+    per_slot = kv_bytes_per_slot(cfg.num_layers, cfg.num_heads, cfg.context, cfg.head_dim, torch.bfloat16,
+                                 fp8=config.kv_cache == "fp8")
+    free, _ = torch.cuda.mem_get_info()
+    return max(1, min(wanted, int((free - reserve_gb * 1e9) // per_slot) - 1))
+
+
+def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Path, speech: np.ndarray) -> dict:
+    t0 = time.perf_counter()
+    slots = slots_that_fit(LMConfig(), config, max(batch_sizes))
+    engine = build_random_engine(slots, "cuda", tokenizer, steps=args.depformer_steps,
+                                 cuda_graphs=not args.no_cuda_graphs, kv_cache=config.kv_cache,
+                                 compile=config.compile)
+    log.info("%s: built a 7B-shaped engine with %d slots in %.1f s", config.name, slots, time.perf_counter() - t0)
+    voice = typical_voice(engine.cfg)
+    persona = list(range(100, 200))  # a 100-token persona
+    out = {"slots": slots, "prefill": bench_prefill(engine, voice, persona)}
+    log.info("%s: prefill %s", config.name, out["prefill"])
+    base = build_prefill(engine.lm, engine.kv, voice, persona, engine.options.window, engine.scratch)
+    fitting = [b for b in batch_sizes if b <= slots]
+    out["ours"] = bench_ours(engine, fitting, args.ticks, args.warmup, full_window_prefill(engine, base), speech)
+    out["ours"] += [{"batch": b, "error": f"does not fit: {slots} slots of full windows fit"}
+                    for b in batch_sizes if b > slots]
+    del engine, base
+    torch.cuda.empty_cache()
+    return out
+
+
+def print_table(report: dict) -> None:
+    base_rows = {r["batch"]: r for r in report.get("baseline", []) if "error" not in r}
+    for name, result in report["configs"].items():
+        print(f"== {name}: prefill {result['prefill']['gpu_ms']:.1f} ms GPU "
+              f"(+ {result['prefill']['plan_cpu_ms']:.1f} ms host plan)")
+        print(f"{'B':>4} {'ours p50':>9} {'ours p99':>9} {'base p50':>9} {'base p99':>9} {'ratio':>6} {'mem GB':>7}")
+        for r in result["ours"]:
+            if "error" in r:
+                print(f"{r['batch']:>4} {r['error']}")
+                continue
+            b = base_rows.get(r["batch"])
+            ratio = f"{b['tick_ms_p50'] / r['tick_ms_p50']:.2f}" if b else "-"
+            print(f"{r['batch']:>4} {r['tick_ms_p50']:>9.2f} {r['tick_ms_p99']:>9.2f} "
+                  f"{(b['tick_ms_p50'] if b else float('nan')):>9.2f} {(b['tick_ms_p99'] if b else float('nan')):>9.2f} "
+                  f"{ratio:>6} {r['peak_memory_gb']:>7.1f}")
+    if "fp8_error" in report:
+        print(f"fp8 KV attention error at 7B shapes: {report['fp8_error']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engines.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,8,32,64", help="comma-separated B values (default 1,8,32,64)")
+    parser.add_argument("--configs", default="bf16",
+                        help="comma-separated engine variants: bf16 or fp8 (KV cache), each optionally "
+                             "+compile (torch.compile'd blocks); default bf16.  B values whose full windows "
+                             "do not fit in memory are reported as such")
     parser.add_argument("--ticks", type=int, default=100, help="timed ticks per B (default 100)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed ticks per B first (default 5)")
     parser.add_argument("--depformer-steps", type=int, choices=(8, 16), default=8)
     parser.add_argument("--baseline", action="store_true", help="also run the upstream moshi package (must be importable)")
+    parser.add_argument("--baseline-batch-sizes", default=None, help="B values for the baseline (default: --batch-sizes)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run ticks eagerly (gives the per-stage split; graphed ticks report the whole tick)")
     parser.add_argument("--speech", default=None, help="24 kHz speech WAV fed as user audio (default: synthetic)")
-    parser.add_argument("--output", required=True, help="JSON file to write")
+    parser.add_argument("--output", required=True, help="JSON file to write (rewritten after each section)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        configs = [BenchConfig.parse(c.strip()) for c in args.configs.split(",") if c.strip()]
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        base_sizes = [int(b) for b in args.baseline_batch_sizes.split(",")] if args.baseline_batch_sizes else batch_sizes
+    except ValueError as exc:
+        parser.error(str(exc))
     if not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA device", file=sys.stderr)
         return 2
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.speech:
         from .audio_io import read_audio
 
@@ -255,30 +389,23 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "parameters": vars(args),
+        "configs": {},
     }
-    t0 = time.perf_counter()
-    engine = build_random_engine(max(batch_sizes), "cuda", tokenizer, steps=args.depformer_steps,
-                                 cuda_graphs=not args.no_cuda_graphs)
-    log.info("built a 7B-shaped engine with %d slots in %.1f s", max(batch_sizes), time.perf_counter() - t0)
-    voice = typical_voice(engine.cfg)
-    persona = list(range(100, 200))  # a 100-token persona
-    report["prefill"] = bench_prefill(engine, voice, persona)
-    base = build_prefill(engine.lm, engine.kv, voice, persona, engine.options.window, engine.scratch)
-    report["ours"] = bench_ours(engine, batch_sizes, args.ticks, args.warmup, full_window_prefill(engine, base), speech)
-    del engine, base
-    torch.cuda.empty_cache()
+    output = Path(args.output)
+
+    def save() -> None:
+        output.write_text(json.dumps(report, indent=2, allow_nan=False))
+
+    if any(c.kv_cache == "fp8" for c in configs):
+        report["fp8_error"] = fp8_attention_error()
+        log.info("fp8 KV attention error at 7B shapes: %s", report["fp8_error"])
+    for config in configs:
+        report["configs"][config.name] = run_config(config, batch_sizes, args, tokenizer, speech)
+        save()
     if args.baseline:
-        report["baseline"] = bench_baseline(batch_sizes, args.ticks, args.warmup, speech)
-    Path(args.output).write_text(json.dumps(report, indent=2, allow_nan=False))
-    print(f"{'B':>4} {'ours p50':>9} {'ours p99':>9} {'base p50':>9} {'base p99':>9} {'ratio':>6} {'mem GB':>7}")
-    base_rows = {r["batch"]: r for r in report.get("baseline", [])}
-    for r in report["ours"]:
-        b = base_rows.get(r["batch"])
-        ratio = f"{b['tick_ms_p50'] / r['tick_ms_p50']:.2f}" if b else "-"
-        print(f"{r['batch']:>4} {r['tick_ms_p50']:>9.2f} {r['tick_ms_p99']:>9.2f} "
-              f"{(b['tick_ms_p50'] if b else float('nan')):>9.2f} {(b['tick_ms_p99'] if b else float('nan')):>9.2f} "
-              f"{ratio:>6} {r['peak_memory_gb']:>7.1f}")
-    print(f"prefill: {report['prefill']}")
+        report["baseline"] = bench_baseline(base_sizes, args.ticks, args.warmup, speech)
+    save()
+    print_table(report)
     return 0
 
 

@@ -33,6 +33,8 @@ from .voices import VoiceStore, check_voice_name
 
 log = logging.getLogger(__name__)
 
+KV_CACHE_MODES = ("auto", "fp8")
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -48,10 +50,25 @@ class EngineOptions:
     # LM weight/activation dtype: None = float32 on CPU (the exact path), bfloat16 elsewhere.
     lm_dtype: str | None = None
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160)
+    # Temporal KV cache storage: "auto" = the LM dtype; "fp8" = float8 e4m3 with per-
+    # (position, head) scales (engines.modules.kv_ring): half the bytes per decode step.
+    kv_cache: str = "auto"
+    # torch.compile the layer blocks, embeddings, sampling and fp8 writes (CUDA fast path:
+    # far fewer kernels per tick; first use of each shape compiles, tens of seconds).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.window not in WindowMode.ALL:
             raise ValueError(f"window must be one of {WindowMode.ALL}, got {self.window!r}")
+        if self.kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
+
+
+def _sample_static(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor,
+                   noise: torch.Tensor) -> torch.Tensor:
+    """Sampling with the static top-k width of graph-captured ticks (tensors only, so it
+    can be compiled)."""
+    return sample_tokens(logits, SamplingBatch(temperature, top_k, greedy), noise, k_max=STATIC_TOP_K)
 
 
 class _SlotSettings:
@@ -107,7 +124,7 @@ class PersonaPlexEngine:
         # One extra slot (the last) is scratch space for prefills and voice building.
         self.scratch = num_slots
         self.kv = SlotKVRing(cfg.num_layers, num_slots + 1, cfg.num_heads, cfg.context, cfg.head_dim,
-                             device=self.device, dtype=lm.dtype)
+                             device=self.device, dtype=lm.dtype, fp8=options.kv_cache == "fp8")
         self.tokens = TokenState(cfg, num_slots + 1, device=self.device)
         self.settings = _SlotSettings(num_slots + 1, self.device)
         self.prefills = PrefillCache(options.prefill_cache_entries)
@@ -117,6 +134,13 @@ class PersonaPlexEngine:
         # Accelerators sample with static shapes and no host sync (graph capture); the CPU
         # path keeps the cheaper data-dependent sampling.
         self._static_sampling = self.device.type == "cuda"
+        self._noise = exponential_noise
+        self._sample_static = _sample_static
+        if options.compile:
+            lm.compile_blocks()
+            self.kv.compile_quantizer()
+            self._noise = torch.compile(exponential_noise, dynamic=True, fullgraph=True)
+            self._sample_static = torch.compile(_sample_static, dynamic=True)
         self.graphs = None
         if self.device.type == "cuda" and options.cuda_graphs:
             from .gpu.graphs import TickGraphs
@@ -313,8 +337,8 @@ class PersonaPlexEngine:
             greedy=st.greedy[slots],
         )
         if self._static_sampling:
-            noise = exponential_noise(st.seed[slots], st.counter[slots], stream, logits.shape[-1])
-            return sample_tokens(logits, batch, noise, k_max=STATIC_TOP_K)
+            noise = self._noise(st.seed[slots], st.counter[slots], stream, logits.shape[-1])
+            return self._sample_static(logits, batch.temperature, batch.top_k, batch.greedy, noise)
         noise = None
         if not bool(batch.greedy.all()):
             noise = exponential_noise(st.seed[slots], st.counter[slots], stream, logits.shape[-1])

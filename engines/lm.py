@@ -25,6 +25,40 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+# The two halves of a transformer layer around its attention, as free functions of their
+# weights so one compiled version serves every layer (see ``MoshiLM.compile_blocks``).
+def attention_input(x: torch.Tensor, norm: torch.Tensor, in_proj: torch.Tensor, heads: int, eps: float,
+                    tables: tuple[torch.Tensor, torch.Tensor] | None):
+    """Pre-norm and the fused q/k/v projection of ``x`` [B, T, D]; RoPE when ``tables``.
+    Returns q, k, v [B, H, T, Dh]."""
+    B, T, D = x.shape
+    h = rms_norm(x, norm, eps)
+    q, k, v = linear(h, in_proj).view(B, T, 3, heads, D // heads).permute(2, 0, 3, 1, 4)
+    if tables is not None:
+        q, k = rotate(q, tables), rotate(k, tables)
+    return q, k, v
+
+
+def embed_streams(audio_tables: torch.Tensor, text_table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Summed input embedding [B, T, D] of ``tokens`` [B, T, 1 + n_q].
+
+    Summed audio streams first, in stream order, then text: the reference's order.
+    """
+    x = None
+    for i in range(audio_tables.shape[0]):
+        e = embed(audio_tables[i], tokens[..., 1 + i])
+        x = e if x is None else x + e
+    return x + embed(text_table, tokens[..., 0])
+
+
+def attention_output_ffn(x: torch.Tensor, attn: torch.Tensor, out_proj: torch.Tensor, norm: torch.Tensor,
+                         ffn_in: torch.Tensor, ffn_out: torch.Tensor, eps: float) -> torch.Tensor:
+    """Residual add of the attention output ``attn`` [B, H, T, Dh], then the gated FFN block."""
+    B, T, D = x.shape
+    x = x + linear(attn.transpose(1, 2).reshape(B, T, D), out_proj)
+    return x + gated_ffn(rms_norm(x, norm, eps), ffn_in, ffn_out)
+
+
 class TemporalLayer(nn.Module):
     def __init__(self, cfg: LMConfig) -> None:
         super().__init__()
@@ -69,6 +103,22 @@ class MoshiLM(nn.Module):
         self.depformer_emb = _param(max(steps - 1, 0), cfg.card + 1, dd)
         self.depformer_layers = nn.ModuleList(DepformerLayer(cfg, steps) for _ in range(cfg.depformer_num_layers))
         self.linears = _param(steps, cfg.card, dd)
+        self._attention_input = attention_input
+        self._attention_output_ffn = attention_output_ffn
+        self._embed_streams = embed_streams
+
+    def compile_blocks(self) -> None:
+        """Replace the layer halves with ``torch.compile``d versions (GPU fast path).
+
+        Inductor fuses each half's norms, RoPE, casts, SiLU gate and residual adds into a
+        few kernels around the GEMMs (the eager tick launches thousands of tiny kernels).
+        Shapes are dynamic so one compilation serves every batch bucket and both the
+        temporal transformer and the depformer.  Changes rounding only (float32 statistics
+        are kept); the CPU reference path never calls this.
+        """
+        self._attention_input = torch.compile(attention_input, dynamic=True, fullgraph=True)
+        self._attention_output_ffn = torch.compile(attention_output_ffn, dynamic=True, fullgraph=True)
+        self._embed_streams = torch.compile(embed_streams, dynamic=True, fullgraph=True)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -80,15 +130,8 @@ class MoshiLM(nn.Module):
 
     # Temporal transformer ---------------------------------------------------------------
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Summed input embedding [B, T, D] of ``tokens`` [B, T, 17].
-
-        Summed audio streams first, in stream order, then text: the reference's order.
-        """
-        x = None
-        for i in range(self.cfg.n_q):
-            e = embed(self.emb[i], tokens[..., 1 + i])
-            x = e if x is None else x + e
-        return x + embed(self.text_emb, tokens[..., 0])
+        """Summed input embedding [B, T, D] of ``tokens`` [B, T, 17]."""
+        return self._embed_streams(self.emb, self.text_emb, tokens)
 
     def temporal(
         self,
@@ -104,18 +147,15 @@ class MoshiLM(nn.Module):
         reference window mode a query at p sees keys down to p - (context - 2).
         """
         cfg = self.cfg
-        B, T, _ = x.shape
+        T = x.shape[1]
         positions = kv.positions(slots, T)
         lo = window_start(positions, positions + 1, kv.capacity, window)
-        H, Dh = cfg.num_heads, cfg.head_dim
-        tables = rope_tables(positions, Dh, cfg.max_period)  # shared by all layers
+        tables = rope_tables(positions, cfg.head_dim, cfg.max_period)  # shared by all layers
+        eps = cfg.norm_eps
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.norm1, cfg.norm_eps)
-            q, k, v = linear(h, layer.in_proj).view(B, T, 3, H, Dh).permute(2, 0, 3, 1, 4)
-            q, k = rotate(q, tables), rotate(k, tables)
+            q, k, v = self._attention_input(x, layer.norm1, layer.in_proj, cfg.num_heads, eps, tables)
             a = kv.attend(i, slots, q, k, v, positions, lo)
-            x = x + linear(a.transpose(1, 2).reshape(B, T, H * Dh), layer.out_proj)
-            x = x + gated_ffn(rms_norm(x, layer.norm2, cfg.norm_eps), layer.ffn_in, layer.ffn_out)
+            x = self._attention_output_ffn(x, a, layer.out_proj, layer.norm2, layer.ffn_in, layer.ffn_out, eps)
         kv.advance(slots, T)
         return rms_norm(x, self.out_norm, cfg.norm_eps)
 
@@ -157,13 +197,12 @@ class MoshiLM(nn.Module):
             lo = window_start(torch.tensor([[k]]), torch.tensor([[k + 1]]), capacity, window).item()
             lo = max(lo, 0)
             for i, layer in enumerate(self.depformer_layers):
-                h = rms_norm(x, layer.norm1, cfg.norm_eps)
-                q, kk, vv = linear(h, layer.in_proj[k]).view(B, 1, 3, H, Dh).permute(2, 0, 3, 1, 4)
+                q, kk, vv = self._attention_input(x, layer.norm1, layer.in_proj[k], H, cfg.norm_eps, None)
                 keys[i, :, :, k] = kk[:, :, 0]
                 values[i, :, :, k] = vv[:, :, 0]
                 a = F.scaled_dot_product_attention(q, keys[i, :, :, lo : k + 1], values[i, :, :, lo : k + 1])
-                x = x + linear(a.transpose(1, 2).reshape(B, 1, H * Dh), layer.out_proj[k])
-                x = x + gated_ffn(rms_norm(x, layer.norm2, cfg.norm_eps), layer.ffn_in[k], layer.ffn_out[k])
+                x = self._attention_output_ffn(x, a, layer.out_proj[k], layer.norm2, layer.ffn_in[k],
+                                               layer.ffn_out[k], cfg.norm_eps)
             logits = linear(x[:, 0], self.linears[k]).float()
             token = sample(k, logits)
             samples.append(token)

@@ -73,24 +73,28 @@ def _frame_tensor(frame: PromptFrame, device: torch.device) -> torch.Tensor:
     return torch.tensor([frame.streams()], dtype=torch.long, device=device)
 
 
-def build_prefill(
-    lm: MoshiLM,
-    kv: SlotKVRing,
-    voice: VoicePrompt | None,
-    persona_tokens: Sequence[int],
-    window: str,
-    scratch_slot: int = 0,
-) -> Prefill:
-    """Compute the prefill in one temporal pass using ``scratch_slot`` of ``kv``.
+@dataclass(frozen=True)
+class PromptInputs:
+    """What the temporal transformer consumes during a system prompt, without running it.
 
-    The token bookkeeping of the prompt runs on the CPU (hundreds of tiny steps that would
-    each be a kernel launch on a GPU); only the transformer pass runs on ``lm``'s device.
+    ``voice_embeddings`` [Nv, D] are replayed as they are; ``token_rows`` [Np, 17] are the
+    token inputs of the positions after the voice (to be embedded by the LM); the token-ring
+    snapshot is the slot's bookkeeping state once the prompt is done.
     """
-    cfg = lm.cfg
+
+    voice_embeddings: torch.Tensor | None
+    token_rows: torch.Tensor
+    token_cache: torch.Tensor
+    token_provided: torch.Tensor
+    offset: int
+
+
+def prompt_inputs(cfg: LMConfig, voice: VoicePrompt | None, persona_tokens: Sequence[int]) -> PromptInputs:
+    """Replay the prompt's token bookkeeping on the CPU (hundreds of tiny steps that would
+    each be a kernel launch on a GPU) to learn each prompt position's model input."""
     device = torch.device("cpu")
     tokens = TokenState(cfg, 1, device=device)
     slot = torch.tensor([0])
-    kv.reset(torch.tensor([scratch_slot], device=lm.device))
     all_forced = torch.ones(1, cfg.num_streams, dtype=torch.bool, device=device)
     no_samples = (torch.zeros(1, dtype=torch.long, device=device),
                   torch.zeros(1, cfg.dep_q, dtype=torch.long, device=device))
@@ -113,23 +117,144 @@ def build_prefill(
         for _ in range(voice.frames):
             run_frame(dummy, record=False)
         tokens.cache[0] = voice.cache
-        voice_embeddings = voice.embeddings.to(device=lm.device, dtype=lm.dtype)
+        voice_embeddings = voice.embeddings
     for frame in prompt_frames(persona_tokens):
         run_frame(frame, record=True)
+    rows = torch.cat(inputs, dim=0) if inputs else torch.empty(0, cfg.num_streams, dtype=torch.long)
+    cache, provided, offset = tokens.snapshot(0)
+    return PromptInputs(voice_embeddings, rows, cache, provided, offset)
 
+
+def prompt_embeddings(lm: MoshiLM, inputs: PromptInputs) -> torch.Tensor:
+    """The prompt's input embeddings [N, D] on ``lm``'s device and dtype."""
     parts = []
-    if voice_embeddings is not None:
-        parts.append(voice_embeddings)
-    if inputs:
-        parts.append(lm.embed_tokens(torch.cat(inputs, dim=0).to(lm.device).unsqueeze(0))[0])
+    if inputs.voice_embeddings is not None:
+        parts.append(inputs.voice_embeddings.to(device=lm.device, dtype=lm.dtype))
+    if inputs.token_rows.shape[0]:
+        parts.append(lm.embed_tokens(inputs.token_rows.to(lm.device).unsqueeze(0))[0])
+    return torch.cat(parts, dim=0)
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """The token side of a system prompt: what the model is fed, and the slot state after."""
+
+    inputs: torch.Tensor  # [n, 17] model input tokens of the calls after the voice replay
+    token_cache: torch.Tensor  # [17, 4]
+    token_provided: torch.Tensor  # [17, 4]
+    offset: int
+
+
+def plan_prompt_by_replay(cfg: LMConfig, voice: VoicePrompt | None, persona_tokens: Sequence[int]) -> PromptPlan:
+    """Replay the prompt through ``TokenState`` frame by frame, as the reference loop does.
+
+    The definition of the plan; hundreds of tiny tensor operations per prompt (tens of ms
+    of host time), so serving uses ``plan_prompt`` and the tests hold the two equal.
+    """
+    return _replay(cfg, voice, persona_tokens, frames=None)
+
+
+def _replay(cfg: LMConfig, voice: VoicePrompt | None, persona_tokens: Sequence[int],
+            frames: int | None) -> PromptPlan:
+    """Replay the whole prompt, or (``frames``) only its last ``frames`` frames from a
+    blank slot whose offset is set to where they start."""
+    device = torch.device("cpu")
+    tokens = TokenState(cfg, 1, device=device)
+    slot = torch.tensor([0])
+    all_forced = torch.ones(1, cfg.num_streams, dtype=torch.bool, device=device)
+    no_samples = (torch.zeros(1, dtype=torch.long, device=device),
+                  torch.zeros(1, cfg.dep_q, dtype=torch.long, device=device))
+    inputs: list[torch.Tensor] = []  # token rows of the positions after the voice
+
+    def run_frame(frame: PromptFrame, record: bool) -> None:
+        tokens.force(slot, _frame_tensor(frame, device), all_forced)
+        if int(tokens.offset[0]) == 0:
+            tokens.skip_call(slot)
+            return
+        model_input, _, _ = tokens.begin_call(slot)
+        if record:
+            inputs.append(model_input)
+        # Every target entry is forced during the prompt, so no sample is ever stored.
+        tokens.end_call(slot, *no_samples)
+
+    prompt = prompt_frames(persona_tokens)
+    voice_frames = voice.frames if voice is not None else 0
+    if frames is not None:
+        tokens.offset[0] = voice_frames + len(prompt) - frames
+        prompt = prompt[len(prompt) - frames:]
+    elif voice is not None:
+        dummy = voice_replay_frame(cfg)
+        for _ in range(voice.frames):
+            run_frame(dummy, record=False)
+        tokens.cache[0] = voice.cache
+    for frame in prompt:
+        run_frame(frame, record=True)
+    cache, provided, offset = tokens.snapshot(0)
+    rows = torch.cat(inputs, dim=0) if inputs else torch.zeros(0, cfg.num_streams, dtype=torch.long)
+    return PromptPlan(rows, cache, provided, offset)
+
+
+# Frames replayed for the final token state: the ring holds 4 positions and every stream is
+# forced each frame, so the last few frames alone decide it (the tests check this).
+_TAIL_FRAMES = 8
+
+
+def plan_prompt(cfg: LMConfig, voice: VoicePrompt | None, persona_tokens: Sequence[int]) -> PromptPlan:
+    """``plan_prompt_by_replay`` in a handful of vectorised operations.
+
+    During the prompt every stream is forced every frame, so the ring entry a call reads
+    (position p = offset - 1 of stream k) was last written by one of: the start-of-stream
+    rule (initial token, at p <= delay_k), the voice's saved ring (when the frame that
+    wrote p, p - delay_k, belongs to the voice replay), or prompt frame p - delay_k.
+    """
+    prompt = prompt_frames(persona_tokens)
+    if len(prompt) <= _TAIL_FRAMES:
+        return plan_prompt_by_replay(cfg, voice, persona_tokens)
+    voice_frames = voice.frames if voice is not None else 0
+    end = voice_frames + len(prompt)
+    calls = torch.arange(max(voice_frames, 1), end)
+    p = (calls - 1).view(-1, 1)  # [n, 1] positions read
+    delays = torch.tensor(cfg.delays).view(1, -1)
+    src = p - delays  # [n, 17] the frame whose force wrote p
+    frame_tokens = torch.tensor([f.streams() for f in prompt], dtype=torch.long)
+    rows = frame_tokens.gather(0, (src - voice_frames).clamp(0, len(prompt) - 1))
+    if voice is not None:
+        saved = voice.cache.to(torch.long).t().gather(0, torch.remainder(p, voice.cache.shape[1]).expand_as(src))
+        rows = torch.where(src < voice_frames, saved, rows)
+    initial = torch.tensor(cfg.initial_tokens(), dtype=torch.long).view(1, -1)
+    rows = torch.where((p >= voice_frames) & (p <= delays), initial, rows)
+    tail = _replay(cfg, voice, persona_tokens, frames=_TAIL_FRAMES)
+    return PromptPlan(rows, tail.token_cache, tail.token_provided, tail.offset)
+
+
+def build_prefill(
+    lm: MoshiLM,
+    kv: SlotKVRing,
+    voice: VoicePrompt | None,
+    persona_tokens: Sequence[int],
+    window: str,
+    scratch_slot: int = 0,
+) -> Prefill:
+    """Compute the prefill in one temporal pass using ``scratch_slot`` of ``kv``.
+
+    The token bookkeeping of the prompt is planned on the CPU in closed form; only the
+    transformer pass runs on ``lm``'s device.
+    """
+    plan = plan_prompt(lm.cfg, voice, persona_tokens)
+    parts = []
+    if voice is not None:
+        parts.append(voice.embeddings.to(device=lm.device, dtype=lm.dtype))
+    if plan.inputs.shape[0]:
+        parts.append(lm.embed_tokens(plan.inputs.to(lm.device).unsqueeze(0))[0])
     x = torch.cat(parts, dim=0).unsqueeze(0)
+    slot = torch.tensor([scratch_slot], device=lm.device)
+    kv.reset(slot)
     with torch.no_grad():
-        lm.temporal(torch.tensor([scratch_slot], device=lm.device), x, kv, window)
+        lm.temporal(slot, x, kv, window)
     total = x.shape[1]
     start = max(0, total - kv.capacity)
     keys, values = kv.export(scratch_slot, start, total)
-    cache, provided, offset = tokens.snapshot(0)
-    return Prefill(keys, values, start, cache, provided, offset)
+    return Prefill(keys, values, start, plan.token_cache, plan.token_provided, plan.offset)
 
 
 class PrefillCache:

@@ -70,3 +70,40 @@ def test_bf16_gpu_tick_runs_and_stays_close(tiny_checkpoint, frames):
     agree = np.mean([a == b for a, b in zip(texts[0], t_cpu[0])])
     print(f"bf16 GPU vs fp32 CPU greedy text agreement: {agree:.2f}")
     assert texts[0][0] == t_cpu[0][0] == 3  # both start with the forced PAD frame
+
+
+@pytest.mark.parametrize("options", [dict(compile=True), dict(kv_cache="fp8"), dict(kv_cache="fp8", compile=True)],
+                         ids=["compile", "fp8", "fp8+compile"])
+def test_float32_fast_path_variants_against_cpu(tiny_checkpoint, frames, no_tf32, options):
+    """The compiled blocks and the fp8 cache on the graphed GPU tick, float32 weights.
+
+    Compilation only re-associates float32 arithmetic: the greedy tokens must stay the CPU
+    reference's.  The fp8 cache is lossy: its text logits are compared teacher-forced.
+    """
+    from tests.test_kv_fp8 import _tiny_logits
+
+    files = ckpt.locate(tiny_checkpoint)
+    cpu = PersonaPlexEngine.from_files(files, 4, EngineOptions())
+    gpu = PersonaPlexEngine.from_files(files, 4, EngineOptions(device="cuda", lm_dtype="float32", **options))
+    t_cpu, p_cpu = run(cpu, frames)
+    t_gpu, p_gpu = run(gpu, frames)
+    agree = np.mean([a == b for a, b in zip(t_gpu[0] + t_gpu[1], t_cpu[0] + t_cpu[1])])
+    print(f"{options}: greedy text agreement with the CPU path {agree:.3f}")
+    if "kv_cache" not in options:
+        assert t_cpu[:2] == t_gpu[:2]
+        for a, b in zip(p_cpu[:2], p_gpu[:2]):
+            assert np.allclose(a, b, atol=1e-3), np.abs(a - b).max()
+        return
+    g = torch.Generator().manual_seed(3)
+    cfg = cpu.cfg
+    n = 3 * cfg.context
+    forced = torch.cat([torch.randint(0, cfg.text_card, (n, 1), generator=g),
+                        torch.randint(0, cfg.card, (n, cfg.num_streams - 1), generator=g)], dim=1)
+    for engine in (cpu, gpu):
+        for slot in list(engine._specs):
+            engine.close_slot(slot)
+    want = _tiny_logits(cpu, forced)
+    got = _tiny_logits(gpu, forced.cuda()).cpu()
+    rel = float((got - want).norm() / want.norm())
+    print(f"{options}: teacher-forced text logits, relative error vs the exact CPU cache {rel:.4f}")
+    assert rel < 0.03

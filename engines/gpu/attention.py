@@ -7,6 +7,10 @@ absolute positions ``max(lo, 0) .. q_pos`` (a contiguous run of positions, so a 
 run of ring indices modulo the capacity), which covers both window modes of
 ``engines.modules.kv_ring``.  The window is split across programs (flash-decoding) so a
 single session still fills the GPU; a second small kernel merges the partial softmaxes.
+
+With an fp8 cache (``scales`` given) keys and values are float8 e4m3 with one float32 scale
+per (position, head): the kernel folds the key scale into the score and the value scale
+into the softmax weight, so dequantisation costs two multiplies per position.
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ if triton is not None:
 
     @triton.jit
     def _partial_kernel(
-        Q, K, V, Slots, QPos, Lo, Acc, Max, Sum,
+        Q, K, V, KScale, VScale, Slots, QPos, Lo, Acc, Max, Sum,
         stride_qb, stride_qh,
         stride_ks, stride_kh, stride_kc,
         stride_vs, stride_vh, stride_vc,
+        stride_ss, stride_sh,
         stride_ab, stride_ah, stride_as,
         stride_mb, stride_mh,
         capacity, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -47,6 +53,9 @@ if triton is not None:
         q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32) * sm_scale
         k_base = K + slot * stride_ks + h * stride_kh
         v_base = V + slot * stride_vs + h * stride_vh
+        # Key and value scales share one layout [slots, heads, capacity].
+        ks_base = KScale + slot * stride_ss + h * stride_sh
+        vs_base = VScale + slot * stride_ss + h * stride_sh
         m_i = tl.full((), float("-inf"), tl.float32)
         l_i = tl.zeros((), tl.float32)
         acc = tl.zeros((HEAD_DIM,), tl.float32)
@@ -56,13 +65,18 @@ if triton is not None:
             ring = ((lo + n) % capacity).to(tl.int64)
             k = tl.load(k_base + ring[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0.0)
             s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+            if SCALED:
+                s = s * tl.load(ks_base + ring, mask=valid, other=0.0)
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             # A block with no visible key keeps m at -inf: guard the rescale against nan.
             alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m_i - m_new))
             p = tl.where(valid, tl.exp(s - m_new), 0.0)
             v = tl.load(v_base + ring[:, None] * stride_vc + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+            pv = p
+            if SCALED:
+                pv = p * tl.load(vs_base + ring, mask=valid, other=0.0)
+            acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
         tl.store(Acc + b * stride_ab + h * stride_ah + sp * stride_as + d, acc)
@@ -96,11 +110,13 @@ def decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_splits: int | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query per slot over its ring window.
 
     q [B, H, D]; keys/values [S, H, C, D] (the whole ring of one layer); slots, q_pos, lo [B]
-    int64 (lowest visible position, may be negative).  Returns [B, H, D] in q's dtype.
+    int64 (lowest visible position, may be negative); ``scales`` = (key scales, value
+    scales) [S, H, C] float32 for an fp8 cache.  Returns [B, H, D] in q's dtype.
     No host synchronisation: safe inside a CUDA graph.
     """
     B, H, D = q.shape
@@ -111,16 +127,20 @@ def decode_attention(
     acc = torch.empty(B, H, n_split, D, device=q.device, dtype=torch.float32)
     mx = torch.empty(B, H, n_split, device=q.device, dtype=torch.float32)
     sm = torch.empty_like(mx)
+    k_scale, v_scale = scales if scales is not None else (mx, mx)  # unread when unscaled
+    if scales is not None and (k_scale.stride() != v_scale.stride() or k_scale.stride(2) != 1):
+        raise ValueError("key and value scales must share one contiguous-per-position layout")
     _partial_kernel[(B, H, n_split)](
-        q, keys, values, slots, q_pos, lo, acc, mx, sm,
+        q, keys, values, k_scale, v_scale, slots, q_pos, lo, acc, mx, sm,
         q.stride(0), q.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
+        k_scale.stride(0), k_scale.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
         mx.stride(0), mx.stride(1),
         C, 1.0 / math.sqrt(D),
         HEAD_DIM=D, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=num_stages or NUM_STAGES,
-        num_warps=num_warps or NUM_WARPS,
+        SCALED=scales is not None, num_warps=num_warps or NUM_WARPS,
     )
     # Merge the partial softmaxes (tiny tensors; plain torch ops are graph-safe).
     m = mx.amax(dim=2, keepdim=True)

@@ -1,6 +1,6 @@
 """Where a graphed tick spends its GPU time: kernel totals from the PyTorch profiler.
 
-    python -m engines.gpu.profile_tick --batch 64 [--ticks 20]
+    python -m engines.gpu.profile_tick --batch 64 [--ticks 20] [--config fp8+compile] [--output F.txt]
 
 Builds the 7B-shaped random engine of ``engines.bench`` with full windows, replays the
 tick graph under ``torch.profiler`` and prints the kernels by total time.
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ..bench import build_random_engine, full_window_prefill, typical_voice
+from ..bench import BenchConfig, build_random_engine, full_window_prefill, typical_voice
 from ..interface import SamplingParams, SessionSpec
 from ..prefill import build_prefill
 from ..tiny import train_tokenizer
@@ -27,10 +27,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ticks", type=int, default=20)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--config", default="bf16", help="engine variant, as engines.bench --configs (default bf16)")
+    parser.add_argument("--output", default=None, help="also write the table to this file")
     args = parser.parse_args()
+    config = BenchConfig.parse(args.config)
     tok = Path(tempfile.mkdtemp()) / "tok.model"
     train_tokenizer(tok)
-    engine = build_random_engine(args.batch, "cuda", tok)
+    engine = build_random_engine(args.batch, "cuda", tok, kv_cache=config.kv_cache, compile=config.compile)
     base = build_prefill(engine.lm, engine.kv, typical_voice(engine.cfg), list(range(100, 200)),
                          engine.options.window, engine.scratch)
     prefill = full_window_prefill(engine, base)
@@ -47,9 +50,14 @@ def main() -> None:
     events = prof.key_averages()
     rows = sorted(events, key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in rows if e.device_time_total > 0)
-    print(f"B={args.batch}: {total / 1e3 / args.ticks:.2f} ms of kernel time per tick")
+    kernels = sum(e.count for e in rows if e.device_time_total > 0) // args.ticks
+    lines = [f"B={args.batch} {config.name}: {total / 1e3 / args.ticks:.2f} ms of kernel time per tick, "
+             f"{kernels} kernels per tick"]
     for e in rows[: args.top]:
-        print(f"{e.device_time_total / 1e3 / args.ticks:8.3f} ms/tick  {e.count // args.ticks:5d}x  {e.key[:110]}")
+        lines.append(f"{e.device_time_total / 1e3 / args.ticks:8.3f} ms/tick  {e.count // args.ticks:5d}x  {e.key[:110]}")
+    print("\n".join(lines))
+    if args.output:
+        Path(args.output).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
