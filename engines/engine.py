@@ -26,7 +26,7 @@ from .mimi import MimiCodec
 from .modules.kv_ring import SlotKVRing, WindowMode
 from .prefill import Prefill, PrefillCache, build_prefill, prompt_frames, voice_replay_frame
 from .profiling import StageClock
-from .sampling import STATIC_TOP_K, SamplingBatch, exponential_noise, sample_tokens
+from .sampling import STATIC_TOP_K, SamplingBatch, exponential_noise, sample_tokens, stream_salt
 from .token_state import TokenState
 from .tokenizer import TextTokenizer
 from .voices import VoiceStore, check_voice_name
@@ -136,6 +136,8 @@ class PersonaPlexEngine:
         self._static_sampling = self.device.type == "cuda"
         self._noise = exponential_noise
         self._sample_static = _sample_static
+        # Per-stream hash salts as device scalars: a graph-safe, compile-friendly argument.
+        self._salts = torch.tensor([stream_salt(k) for k in range(cfg.num_streams)], device=self.device)
         if options.compile:
             lm.compile_blocks()
             self.kv.compile_quantizer()
@@ -337,7 +339,7 @@ class PersonaPlexEngine:
             greedy=st.greedy[slots],
         )
         if self._static_sampling:
-            noise = self._noise(st.seed[slots], st.counter[slots], stream, logits.shape[-1])
+            noise = self._noise(st.seed[slots], st.counter[slots], self._salts[stream], logits.shape[-1])
             return self._sample_static(logits, batch.temperature, batch.top_k, batch.greedy, noise)
         noise = None
         if not bool(batch.greedy.all()):

@@ -25,11 +25,22 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def exponential_noise(seeds: torch.Tensor, counters: torch.Tensor, stream: int, vocab: int) -> torch.Tensor:
-    """Exponential(1) noise [B, vocab] for sessions with ``seeds`` [B] at ``counters`` [B]."""
+def stream_salt(stream: int) -> int:
+    """The per-stream constant mixed into the hash (streams never share noise)."""
+    return (stream * 0x9E3779B1) & _MASK32
+
+
+def exponential_noise(seeds: torch.Tensor, counters: torch.Tensor, stream: int | torch.Tensor,
+                      vocab: int) -> torch.Tensor:
+    """Exponential(1) noise [B, vocab] for sessions with ``seeds`` [B] at ``counters`` [B].
+
+    ``stream`` is the stream index, or its ``stream_salt`` as a 0-d int64 tensor (what
+    compiled callers pass: a Python int would become a symbolic size there).
+    """
     device = seeds.device
+    salt = stream_salt(stream) if isinstance(stream, int) else stream
     idx = torch.arange(vocab, device=device, dtype=torch.long).view(1, -1)
-    h = _mix32(idx ^ ((stream * 0x9E3779B1) & _MASK32))
+    h = _mix32(idx ^ salt)
     h = _mix32(h ^ (counters.view(-1, 1) & _MASK32))
     h = _mix32(h ^ ((counters.view(-1, 1) >> 32) & _MASK32))
     h = _mix32(h ^ (seeds.view(-1, 1) & _MASK32))
