@@ -160,7 +160,7 @@ def bench_prefill(engine: PersonaPlexEngine, voice: VoicePrompt, persona_tokens:
     after the plan) is the device time a joining session costs; ``total_ms`` is host wall
     time of the whole ``build_prefill``.
     """
-    from .prefill import plan_prompt
+    from .prefill import plan_prompt, run_prefill_pass
 
     cfg = engine.cfg
     for _ in range(3):  # the first calls pay allocator, kernel and compile warm-up
@@ -170,18 +170,13 @@ def bench_prefill(engine: PersonaPlexEngine, voice: VoicePrompt, persona_tokens:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         with torch.inference_mode():
-            x = torch.cat([voice.embeddings.to(engine.device, engine.lm.dtype),
-                           engine.lm.embed_tokens(plan.inputs.to(engine.device).unsqueeze(0))[0]]).unsqueeze(0)
-            slot = torch.tensor([engine.scratch], device=engine.device)
-            start.record()
-            engine.kv.reset(slot)
-            engine.lm.temporal(slot, x, engine.kv, engine.options.window)
-            engine.kv.export(engine.scratch, 0, x.shape[1])
-            end.record()
+            p = run_prefill_pass(engine.lm, engine.kv, voice, plan, engine.options.window, engine.scratch)
+        end.record()
         end.synchronize()
         total_ms = (time.perf_counter() - t0) * 1e3 + plan_ms
-    return {"voice_frames": voice.frames, "persona_tokens": len(persona_tokens), "positions": x.shape[1],
+    return {"voice_frames": voice.frames, "persona_tokens": len(persona_tokens), "positions": p.positions,
             "plan_cpu_ms": plan_ms, "gpu_ms": start.elapsed_time(end), "total_ms": total_ms}
 
 

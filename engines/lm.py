@@ -139,8 +139,11 @@ class MoshiLM(nn.Module):
         x: torch.Tensor,
         kv: SlotKVRing,
         window: str = WindowMode.REFERENCE,
+        fresh: bool = False,
     ) -> torch.Tensor:
         """Run input embeddings ``x`` [B, T, D] of ``slots`` at their next positions.
+
+        ``fresh``: the slots' caches were just reset (a prefill), see ``SlotKVRing.attend``.
 
         Returns the normed hidden state [B, T, D] (what feeds the text head and the depformer)
         and advances the slots' KV cache by T.  Each token is one reference call, so in
@@ -154,7 +157,7 @@ class MoshiLM(nn.Module):
         eps = cfg.norm_eps
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_input(x, layer.norm1, layer.in_proj, cfg.num_heads, eps, tables)
-            a = kv.attend(i, slots, q, k, v, positions, lo)
+            a = kv.attend(i, slots, q, k, v, positions, lo, fresh=fresh)
             x = self._attention_output_ffn(x, a, layer.out_proj, layer.norm2, layer.ffn_in, layer.ffn_out, eps)
         kv.advance(slots, T)
         return rms_norm(x, self.out_norm, cfg.norm_eps)

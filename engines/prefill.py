@@ -74,68 +74,6 @@ def _frame_tensor(frame: PromptFrame, device: torch.device) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class PromptInputs:
-    """What the temporal transformer consumes during a system prompt, without running it.
-
-    ``voice_embeddings`` [Nv, D] are replayed as they are; ``token_rows`` [Np, 17] are the
-    token inputs of the positions after the voice (to be embedded by the LM); the token-ring
-    snapshot is the slot's bookkeeping state once the prompt is done.
-    """
-
-    voice_embeddings: torch.Tensor | None
-    token_rows: torch.Tensor
-    token_cache: torch.Tensor
-    token_provided: torch.Tensor
-    offset: int
-
-
-def prompt_inputs(cfg: LMConfig, voice: VoicePrompt | None, persona_tokens: Sequence[int]) -> PromptInputs:
-    """Replay the prompt's token bookkeeping on the CPU (hundreds of tiny steps that would
-    each be a kernel launch on a GPU) to learn each prompt position's model input."""
-    device = torch.device("cpu")
-    tokens = TokenState(cfg, 1, device=device)
-    slot = torch.tensor([0])
-    all_forced = torch.ones(1, cfg.num_streams, dtype=torch.bool, device=device)
-    no_samples = (torch.zeros(1, dtype=torch.long, device=device),
-                  torch.zeros(1, cfg.dep_q, dtype=torch.long, device=device))
-    inputs: list[torch.Tensor] = []  # token rows of the positions after the voice
-
-    def run_frame(frame: PromptFrame, record: bool) -> None:
-        tokens.force(slot, _frame_tensor(frame, device), all_forced)
-        if int(tokens.offset[0]) == 0:
-            tokens.skip_call(slot)
-            return
-        model_input, _, _ = tokens.begin_call(slot)
-        if record:
-            inputs.append(model_input)
-        # Every target entry is forced during the prompt, so no sample is ever stored.
-        tokens.end_call(slot, *no_samples)
-
-    voice_embeddings = None
-    if voice is not None:
-        dummy = voice_replay_frame(cfg)
-        for _ in range(voice.frames):
-            run_frame(dummy, record=False)
-        tokens.cache[0] = voice.cache
-        voice_embeddings = voice.embeddings
-    for frame in prompt_frames(persona_tokens):
-        run_frame(frame, record=True)
-    rows = torch.cat(inputs, dim=0) if inputs else torch.empty(0, cfg.num_streams, dtype=torch.long)
-    cache, provided, offset = tokens.snapshot(0)
-    return PromptInputs(voice_embeddings, rows, cache, provided, offset)
-
-
-def prompt_embeddings(lm: MoshiLM, inputs: PromptInputs) -> torch.Tensor:
-    """The prompt's input embeddings [N, D] on ``lm``'s device and dtype."""
-    parts = []
-    if inputs.voice_embeddings is not None:
-        parts.append(inputs.voice_embeddings.to(device=lm.device, dtype=lm.dtype))
-    if inputs.token_rows.shape[0]:
-        parts.append(lm.embed_tokens(inputs.token_rows.to(lm.device).unsqueeze(0))[0])
-    return torch.cat(parts, dim=0)
-
-
-@dataclass(frozen=True)
 class PromptPlan:
     """The token side of a system prompt: what the model is fed, and the slot state after."""
 
@@ -227,6 +165,17 @@ def plan_prompt(cfg: LMConfig, voice: VoicePrompt | None, persona_tokens: Sequen
     return PromptPlan(rows, tail.token_cache, tail.token_provided, tail.offset)
 
 
+def prompt_embeddings(lm: MoshiLM, voice: VoicePrompt | None, plan: PromptPlan) -> torch.Tensor:
+    """The prompt's input embeddings [N, D] on ``lm``'s device and dtype: the voice's stored
+    embeddings replayed as they are, then the embedded token rows of the plan."""
+    parts = []
+    if voice is not None:
+        parts.append(voice.embeddings.to(device=lm.device, dtype=lm.dtype))
+    if plan.inputs.shape[0]:
+        parts.append(lm.embed_tokens(plan.inputs.to(lm.device).unsqueeze(0))[0])
+    return torch.cat(parts, dim=0)
+
+
 def build_prefill(
     lm: MoshiLM,
     kv: SlotKVRing,
@@ -240,17 +189,17 @@ def build_prefill(
     The token bookkeeping of the prompt is planned on the CPU in closed form; only the
     transformer pass runs on ``lm``'s device.
     """
-    plan = plan_prompt(lm.cfg, voice, persona_tokens)
-    parts = []
-    if voice is not None:
-        parts.append(voice.embeddings.to(device=lm.device, dtype=lm.dtype))
-    if plan.inputs.shape[0]:
-        parts.append(lm.embed_tokens(plan.inputs.to(lm.device).unsqueeze(0))[0])
-    x = torch.cat(parts, dim=0).unsqueeze(0)
+    return run_prefill_pass(lm, kv, voice, plan_prompt(lm.cfg, voice, persona_tokens), window, scratch_slot)
+
+
+def run_prefill_pass(lm: MoshiLM, kv: SlotKVRing, voice: VoicePrompt | None, plan: PromptPlan,
+                     window: str, scratch_slot: int) -> Prefill:
+    """The device part of a prefill: embed, one causal pass from an empty cache, export."""
+    x = prompt_embeddings(lm, voice, plan).unsqueeze(0)
     slot = torch.tensor([scratch_slot], device=lm.device)
     kv.reset(slot)
     with torch.no_grad():
-        lm.temporal(slot, x, kv, window)
+        lm.temporal(slot, x, kv, window, fresh=True)
     total = x.shape[1]
     start = max(0, total - kv.capacity)
     keys, values = kv.export(scratch_slot, start, total)

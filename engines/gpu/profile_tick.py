@@ -1,6 +1,7 @@
 """Where a graphed tick spends its GPU time: kernel totals from the PyTorch profiler.
 
     python -m engines.gpu.profile_tick --batch 64 [--ticks 20] [--config fp8+compile] [--output F.txt]
+    python -m engines.gpu.profile_tick --prefill --batch 1 [--config ...]
 
 Builds the 7B-shaped random engine of ``engines.bench`` with full windows, replays the
 tick graph under ``torch.profiler`` and prints the kernels by total time.
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--config", default="bf16", help="engine variant, as engines.bench --configs (default bf16)")
     parser.add_argument("--output", default=None, help="also write the table to this file")
+    parser.add_argument("--prefill", action="store_true", help="profile a cold voice + persona prefill instead")
     args = parser.parse_args()
     config = BenchConfig.parse(args.config)
     tok = Path(tempfile.mkdtemp()) / "tok.model"
@@ -37,24 +39,39 @@ def main() -> None:
     base = build_prefill(engine.lm, engine.kv, typical_voice(engine.cfg), list(range(100, 200)),
                          engine.options.window, engine.scratch)
     prefill = full_window_prefill(engine, base)
-    spec = SessionSpec(sampling=SamplingParams(greedy=True))
-    slots = [engine.open_slot(spec, prefill=prefill) for _ in range(args.batch)]
-    pcm = np.zeros((args.batch, 1920), np.float32)
-    for _ in range(5):
-        engine.step(slots, pcm)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.ticks):
+    if args.prefill:
+        voice, persona = typical_voice(engine.cfg), list(range(100, 200))
+
+        def run_once() -> None:
+            with torch.inference_mode():
+                build_prefill(engine.lm, engine.kv, voice, persona, engine.options.window, engine.scratch)
+        label = f"prefill (60-frame voice + 100-token persona) {config.name}"
+    else:
+        spec = SessionSpec(sampling=SamplingParams(greedy=True))
+        slots = [engine.open_slot(spec, prefill=prefill) for _ in range(args.batch)]
+        pcm = np.zeros((args.batch, 1920), np.float32)
+
+        def run_once() -> None:
             engine.step(slots, pcm)
+        label = f"B={args.batch} {config.name} tick"
+    for _ in range(5):
+        run_once()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.ticks):
+            run_once()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    rows = sorted(events, key=lambda e: e.device_time_total, reverse=True)
-    total = sum(e.device_time_total for e in rows if e.device_time_total > 0)
-    kernels = sum(e.count for e in rows if e.device_time_total > 0) // args.ticks
-    lines = [f"B={args.batch} {config.name}: {total / 1e3 / args.ticks:.2f} ms of kernel time per tick, "
-             f"{kernels} kernels per tick"]
+    kernels_only = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    rows = sorted(kernels_only, key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in rows)
+    kernels = sum(e.count for e in rows) // args.ticks
+    lines = [f"{label}: {total / 1e3 / args.ticks:.2f} ms of kernel time per call, {kernels} kernels per call"]
     for e in rows[: args.top]:
-        lines.append(f"{e.device_time_total / 1e3 / args.ticks:8.3f} ms/tick  {e.count // args.ticks:5d}x  {e.key[:110]}")
+        lines.append(f"{e.device_time_total / 1e3 / args.ticks:8.3f} ms/call  {e.count // args.ticks:5d}x  {e.key[:110]}")
+    lines.append("host (CPU) time by operator:")
+    for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]:
+        lines.append(f"{e.self_cpu_time_total / 1e3 / args.ticks:8.3f} ms/call  {e.count // args.ticks:5d}x  {e.key[:110]}")
     print("\n".join(lines))
     if args.output:
         Path(args.output).write_text("\n".join(lines) + "\n")

@@ -141,15 +141,18 @@ class SlotKVRing:
         v: torch.Tensor,
         positions: torch.Tensor,
         lo: torch.Tensor,
+        fresh: bool = False,
     ) -> torch.Tensor:
         """Store ``k, v`` [B, H, T, D] at ``positions`` [B, T] and attend with ``q``.
 
         ``lo`` [B, T] is the lowest visible key position per query (see ``window_start``).
+        ``fresh``: the slots were just reset, so nothing older than this call is visible and
+        attention needs only this call's keys (a prefill skips reading the whole ring).
         Does not advance ``length``: call ``advance`` once after the last layer.
         """
         B, T = k.shape[0], k.shape[2]
         C = self.capacity
-        if T == 1 and gpu_attention.available(q.device):
+        if T == 1 and not fresh and gpu_attention.available(q.device):
             # Decode step on a GPU: read each slot's window in place instead of gathering it.
             ring_idx = torch.remainder(positions[:, 0], C)
             self._store(layer, slots, ring_idx, k[:, :, 0], v[:, :, 0])
@@ -157,26 +160,33 @@ class SlotKVRing:
             out = gpu_attention.decode_attention(q[:, :, 0], self.keys[layer], self.values[layer], slots,
                                                  positions[:, 0], lo.reshape(B, -1)[:, 0], scales=scales)
             return out.unsqueeze(2)
-        if T <= C:
-            ring_idx = torch.remainder(positions, C)  # [B, T]
-            slot_idx = slots.view(-1, 1).expand(B, T)
-            self._store(layer, slot_idx, ring_idx, k.transpose(1, 2), v.transpose(1, 2))
+        if fresh:
+            keys, values, key_pos = k, v, positions
+            self._store_newest(layer, slots, positions, k, v)
+        elif T <= C:
+            # Write first, then attend over the ring in ring order, as the reference does.
+            self._store_newest(layer, slots, positions, k, v)
             keys, values = self._load(layer, slots)
             key_pos = self._ring_positions(positions[:, -1] + 1)  # [B, C]
         else:
-            old_pos = self._ring_positions(positions[:, 0])
             old_keys, old_values = self._load(layer, slots)
             keys = torch.cat([old_keys, k], dim=2)
             values = torch.cat([old_values, v], dim=2)
-            key_pos = torch.cat([old_pos, positions], dim=1)
-            keep = positions[:, -C:]
-            ring_idx = torch.remainder(keep, C)
-            slot_idx = slots.view(-1, 1).expand(B, C)
-            self._store(layer, slot_idx, ring_idx, k[:, :, -C:].transpose(1, 2), v[:, :, -C:].transpose(1, 2))
+            key_pos = torch.cat([self._ring_positions(positions[:, 0]), positions], dim=1)
+            self._store_newest(layer, slots, positions, k, v)
         qp = positions.view(B, T, 1)
         kp = key_pos.view(B, 1, -1)
         mask = (kp >= 0) & (kp <= qp) & (kp >= lo.reshape(B, -1, 1))
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), mask.unsqueeze(1))
+
+    def _store_newest(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep the newest ``capacity`` of a call's keys/values [B, H, T, D] in the ring."""
+        B, T = positions.shape
+        keep = min(T, self.capacity)
+        ring_idx = torch.remainder(positions[:, T - keep:], self.capacity)
+        slot_idx = slots.view(-1, 1).expand(B, keep)
+        self._store(layer, slot_idx, ring_idx, k[:, :, T - keep:].transpose(1, 2), v[:, :, T - keep:].transpose(1, 2))
 
     def _store(self, layer: int, slot_idx: torch.Tensor, ring_idx: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> None:
