@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import logging
 import math
@@ -311,7 +312,9 @@ def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Pat
     out["ours"] = bench_ours(engine, fitting, args.ticks, args.warmup, full_window_prefill(engine, base), speech)
     out["ours"] += [{"batch": b, "error": f"does not fit: {slots} slots of full windows fit"}
                     for b in batch_sizes if b > slots]
+    # The tick graphs refer back to the engine (a cycle): collect it before the next config.
     del engine, base
+    gc.collect()
     torch.cuda.empty_cache()
     return out
 

@@ -10,13 +10,14 @@ single session still fills the GPU; a second small kernel merges the partial sof
 
 With an fp8 cache (``scales`` given) keys and values are float8 e4m3 with one float32 scale
 per (position, head): the kernel folds the key scale into the score and the value scale
-into the softmax weight, so dequantisation costs two multiplies per position.
+into the softmax weight, so dequantisation costs two multiplies per position.  (Running the
+two products on tensor cores as zero-padded 16-wide fp16 matrix products was measured
+slower on the H200: 1.7 against 2.5 TB/s at B=64-128, docs/PERFORMANCE.md.)
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -40,7 +41,7 @@ if triton is not None:
         stride_mb, stride_mh,
         capacity, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
-        SCALED: tl.constexpr, MMA: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -60,21 +61,12 @@ if triton is not None:
         m_i = tl.full((), float("-inf"), tl.float32)
         l_i = tl.zeros((), tl.float32)
         acc = tl.zeros((HEAD_DIM,), tl.float32)
-        # MMA: the two products run on tensor cores as 16-wide matrix products in fp16 with
-        # only row/column 0 live (the waste is free there), instead of per-element fp32
-        # multiply-and-reduce on the CUDA cores, which bounds the fp8 path's bandwidth.
-        lane = tl.arange(0, 16)
-        q_mat = tl.where(lane[None, :] == 0, q[:, None], 0.0).to(tl.float16)  # [D, 16]
-        acc_mat = tl.zeros((16, HEAD_DIM), tl.float32)
         for n0 in tl.range(sp * SPLIT, (sp + 1) * SPLIT, BLOCK_N, num_stages=NUM_STAGES):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < count
             ring = ((lo + n) % capacity).to(tl.int64)
             k = tl.load(k_base + ring[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0.0)
-            if MMA:
-                s = tl.sum(tl.dot(k.to(tl.float16), q_mat), axis=1)
-            else:
-                s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
             if SCALED:
                 s = s * tl.load(ks_base + ring, mask=valid, other=0.0)
             s = tl.where(valid, s, float("-inf"))
@@ -86,15 +78,9 @@ if triton is not None:
             pv = p
             if SCALED:
                 pv = p * tl.load(vs_base + ring, mask=valid, other=0.0)
-            if MMA:
-                p_mat = tl.where(lane[:, None] == 0, pv[None, :], 0.0).to(tl.float16)  # [16, BLOCK_N]
-                acc_mat = acc_mat * alpha + tl.dot(p_mat, v.to(tl.float16))
-            else:
-                acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), axis=0)
+            acc = acc * alpha + tl.sum(pv[:, None] * v.to(tl.float32), axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
-        if MMA:
-            acc = tl.sum(acc_mat, axis=0)
         tl.store(Acc + b * stride_ab + h * stride_ah + sp * stride_as + d, acc)
         tl.store(Max + b * stride_mb + h * stride_mh + sp, m_i)
         tl.store(Sum + b * stride_mb + h * stride_mh + sp, l_i)
@@ -106,9 +92,6 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 MIN_SPLITS = 4
 PROGRAMS_PER_SM = 4
-# Tensor-core products for the fp8 cache (see the kernel); the bf16 cache keeps the CUDA-core
-# path, which already reads at ~3.6 TB/s.  Overridable for A/B runs of bench_attention.
-FP8_MMA = os.environ.get("PERSONAPLEX_FP8_ATTENTION_MMA", "1") == "1"
 
 
 def _split_size(capacity: int, batch_heads: int, device: torch.device, block: int, min_splits: int) -> int:
@@ -130,7 +113,6 @@ def decode_attention(
     num_stages: int | None = None,
     min_splits: int | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-    mma: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query per slot over its ring window.
 
@@ -160,8 +142,7 @@ def decode_attention(
         mx.stride(0), mx.stride(1),
         C, 1.0 / math.sqrt(D),
         HEAD_DIM=D, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=num_stages or NUM_STAGES,
-        SCALED=scales is not None, MMA=scales is not None and (FP8_MMA if mma is None else mma),
-        num_warps=num_warps or NUM_WARPS,
+        SCALED=scales is not None, num_warps=num_warps or NUM_WARPS,
     )
     # Merge the partial softmaxes (tiny tensors; plain torch ops are graph-safe).
     m = mx.amax(dim=2, keepdim=True)
