@@ -157,9 +157,10 @@ def _bench_one(engine: PersonaPlexEngine, B: int, spec: SessionSpec, ticks: int,
 def bench_prefill(engine: PersonaPlexEngine, voice: VoicePrompt, persona_tokens: list[int]) -> dict:
     """Cold prefill of one (voice, persona): the host-side token plan, then the GPU pass.
 
-    ``gpu_ms`` (CUDA events around the transformer pass and the export of its keys/values,
-    after the plan) is the device time a joining session costs; ``total_ms`` is host wall
-    time of the whole ``build_prefill``.
+    ``gpu_ms`` (CUDA events around the embedding, the transformer pass and the export of its
+    keys/values, after the plan; replayed from a prefill graph when the engine has them) is
+    the device time a joining session costs; ``total_ms`` is host wall time of the whole
+    ``build_prefill``.
     """
     from .prefill import plan_prompt, run_prefill_pass
 
@@ -173,7 +174,8 @@ def bench_prefill(engine: PersonaPlexEngine, voice: VoicePrompt, persona_tokens:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         with torch.inference_mode():
-            p = run_prefill_pass(engine.lm, engine.kv, voice, plan, engine.options.window, engine.scratch)
+            p = run_prefill_pass(engine.lm, engine.kv, voice, plan, engine.options.window, engine.scratch,
+                                 engine.prefill_graphs)
         end.record()
         end.synchronize()
         total_ms = (time.perf_counter() - t0) * 1e3 + plan_ms

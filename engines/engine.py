@@ -144,10 +144,13 @@ class PersonaPlexEngine:
             self._noise = torch.compile(exponential_noise, dynamic=True, fullgraph=True)
             self._sample_static = torch.compile(_sample_static, dynamic=True)
         self.graphs = None
+        self.prefill_graphs = None
         if self.device.type == "cuda" and options.cuda_graphs:
             from .gpu.graphs import TickGraphs
+            from .gpu.prefill_graphs import PrefillGraphs
 
             self.graphs = TickGraphs(self, options.graph_buckets)
+            self.prefill_graphs = PrefillGraphs(lm, self.kv, options.window, self.scratch)
         self.info = EngineInfo(
             model=model_name,
             backend="torch",
@@ -202,8 +205,8 @@ class PersonaPlexEngine:
         if prefill is None:
             voice = self.voice_store.load(spec.voice)
             with torch.inference_mode():
-                prefill = build_prefill(self.lm, self.kv, voice, persona,
-                                        self.options.window, scratch_slot=self.scratch)
+                prefill = build_prefill(self.lm, self.kv, voice, persona, self.options.window,
+                                        scratch_slot=self.scratch, graphs=self.prefill_graphs)
             self.prefills.put(key, prefill)
             log.info("prefill for voice %s and a %d-token persona: %d positions",
                      spec.voice, len(persona), prefill.positions)

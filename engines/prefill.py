@@ -183,24 +183,31 @@ def build_prefill(
     persona_tokens: Sequence[int],
     window: str,
     scratch_slot: int = 0,
+    graphs=None,
 ) -> Prefill:
     """Compute the prefill in one temporal pass using ``scratch_slot`` of ``kv``.
 
     The token bookkeeping of the prompt is planned on the CPU in closed form; only the
-    transformer pass runs on ``lm``'s device.
+    transformer pass runs on ``lm``'s device (replayed from ``graphs``, an
+    ``engines.gpu.prefill_graphs.PrefillGraphs``, when given and the prompt fits a bucket).
     """
-    return run_prefill_pass(lm, kv, voice, plan_prompt(lm.cfg, voice, persona_tokens), window, scratch_slot)
+    plan = plan_prompt(lm.cfg, voice, persona_tokens)
+    return run_prefill_pass(lm, kv, voice, plan, window, scratch_slot, graphs)
 
 
 def run_prefill_pass(lm: MoshiLM, kv: SlotKVRing, voice: VoicePrompt | None, plan: PromptPlan,
-                     window: str, scratch_slot: int) -> Prefill:
+                     window: str, scratch_slot: int, graphs=None) -> Prefill:
     """The device part of a prefill: embed, one causal pass from an empty cache, export."""
-    x = prompt_embeddings(lm, voice, plan).unsqueeze(0)
+    x = prompt_embeddings(lm, voice, plan)
+    total = x.shape[0]
+    replayed = graphs.run(x) if graphs is not None else None
+    if replayed is not None:
+        keys, values = replayed  # positions 0..total-1 (a bucket never exceeds the capacity)
+        return Prefill(keys, values, 0, plan.token_cache, plan.token_provided, plan.offset)
     slot = torch.tensor([scratch_slot], device=lm.device)
     kv.reset(slot)
     with torch.no_grad():
-        lm.temporal(slot, x, kv, window, fresh=True)
-    total = x.shape[1]
+        lm.temporal(slot, x.unsqueeze(0), kv, window, fresh=True)
     start = max(0, total - kv.capacity)
     keys, values = kv.export(scratch_slot, start, total)
     return Prefill(keys, values, start, plan.token_cache, plan.token_provided, plan.offset)

@@ -107,3 +107,24 @@ def test_float32_fast_path_variants_against_cpu(tiny_checkpoint, frames, no_tf32
     rel = float((got - want).norm() / want.norm())
     print(f"{options}: teacher-forced text logits, relative error vs the exact CPU cache {rel:.4f}")
     assert rel < 0.03
+
+
+def test_prefill_graph_replay_equals_the_eager_pass(tiny_checkpoint, no_tf32):
+    """A prompt padded to a bucket and replayed from a CUDA graph gives the keys/values of
+    the unpadded eager pass (causal pass from an empty cache: padding never leaks back)."""
+    from engines.gpu.prefill_graphs import PrefillGraphs
+    from engines.prefill import plan_prompt, run_prefill_pass
+
+    files = ckpt.locate(tiny_checkpoint)
+    engine = PersonaPlexEngine.from_files(files, 2, EngineOptions(device="cuda", lm_dtype="float32"))
+    cfg = engine.cfg
+    graphs = PrefillGraphs(engine.lm, engine.kv, engine.options.window, engine.scratch, buckets=(16, cfg.context))
+    for persona in ([5, 9, 200], list(range(40, 55))):  # 14 and 26 positions: buckets 16 and 32
+        plan = plan_prompt(cfg, None, persona)
+        eager = run_prefill_pass(engine.lm, engine.kv, None, plan, engine.options.window, engine.scratch)
+        replay = run_prefill_pass(engine.lm, engine.kv, None, plan, engine.options.window, engine.scratch, graphs)
+        assert replay.start == eager.start == 0 and replay.keys.shape == eager.keys.shape
+        assert torch.allclose(replay.keys, eager.keys, atol=1e-5) and torch.allclose(replay.values, eager.values, atol=1e-5)
+    assert sorted(graphs._graphs) == [16, cfg.context]
+    # Longer than every bucket: no graph, the caller runs the eager pass.
+    assert graphs.run(torch.zeros(cfg.context + 1, cfg.dim, device="cuda")) is None

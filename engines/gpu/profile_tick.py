@@ -44,7 +44,8 @@ def main() -> None:
 
         def run_once() -> None:
             with torch.inference_mode():
-                build_prefill(engine.lm, engine.kv, voice, persona, engine.options.window, engine.scratch)
+                build_prefill(engine.lm, engine.kv, voice, persona, engine.options.window, engine.scratch,
+                              graphs=engine.prefill_graphs)
         label = f"prefill (60-frame voice + 100-token persona) {config.name}"
     else:
         spec = SessionSpec(sampling=SamplingParams(greedy=True))
