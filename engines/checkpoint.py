@@ -192,6 +192,70 @@ def depformer_steps_in_file(reader: SafetensorsReader) -> int:
     return n
 
 
+def _converter(convert: Callable[[torch.Tensor], torch.Tensor]):
+    return lambda reader, key, shape: convert(reader.get(key, shape))
+
+
+def lm_io_tensors(reader: SafetensorsReader, cfg: LMConfig,
+                  convert: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, torch.Tensor]:
+    """The temporal transformer's input tables, final norm and text head (``MoshiLM`` names)."""
+    d = cfg.dim
+    get = _converter(convert)
+    return {
+        "emb": torch.stack([get(reader, f"emb.{i}.weight", (cfg.card + 1, d)) for i in range(cfg.n_q)]),
+        "text_emb": get(reader, "text_emb.weight", (cfg.text_card + 1, d)),
+        "out_norm": get(reader, "out_norm.alpha", (1, 1, d)).view(d),
+        "text_linear": get(reader, "text_linear.weight", (cfg.text_card, d)),
+    }
+
+
+def temporal_layer_tensors(reader: SafetensorsReader, cfg: LMConfig, layer: int,
+                           convert: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, torch.Tensor]:
+    """One temporal layer's weights, keyed by ``TemporalLayer`` parameter name."""
+    d, h = cfg.dim, cfg.ffn_hidden
+    get = _converter(convert)
+    p = f"transformer.layers.{layer}."
+    return {
+        "in_proj": convert(_attention_weight(reader, p + "self_attn.", "in_proj_weight", "in_projs.{t}.weight", 1, 3 * d, d)[0]),
+        "out_proj": convert(_attention_weight(reader, p + "self_attn.", "out_proj.weight", "out_projs.{t}.weight", 1, d, d)[0]),
+        "norm1": get(reader, p + "norm1.alpha", (1, 1, d)).view(d),
+        "norm2": get(reader, p + "norm2.alpha", (1, 1, d)).view(d),
+        "ffn_in": get(reader, p + "gating.linear_in.weight", (2 * h, d)),
+        "ffn_out": get(reader, p + "gating.linear_out.weight", (d, h)),
+    }
+
+
+def depformer_tensors(reader: SafetensorsReader, cfg: LMConfig, steps: int,
+                      convert: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, torch.Tensor]:
+    """The depformer's weights for its first ``steps`` codebook steps (``MoshiLM`` names)."""
+    d, dd, hd = cfg.dim, cfg.depformer_dim, cfg.depformer_ffn_hidden
+    have = depformer_steps_in_file(reader)
+    if have == 0:
+        raise CheckpointError(f"{reader.path}: missing tensor 'linears.0.weight' (no depformer heads)")
+    if have < steps:
+        _too_few(reader, "linears.*", have, steps)
+    get = _converter(convert)
+    out: dict[str, torch.Tensor] = {
+        "depformer_in": torch.stack([get(reader, f"depformer_in.{t}.weight", (dd, d)) for t in range(steps)]),
+        "depformer_text_emb": get(reader, "depformer_text_emb.weight", (cfg.text_card + 1, dd)),
+        "linears": torch.stack([get(reader, f"linears.{t}.weight", (cfg.card, dd)) for t in range(steps)]),
+    }
+    out["depformer_emb"] = (
+        torch.stack([get(reader, f"depformer_emb.{t}.weight", (cfg.card + 1, dd)) for t in range(steps - 1)])
+        if steps > 1 else torch.empty(0, cfg.card + 1, dd)
+    )
+    for layer in range(cfg.depformer_num_layers):
+        p = f"depformer.layers.{layer}."
+        q = f"depformer_layers.{layer}."
+        out[q + "in_proj"] = convert(_attention_weight(reader, p + "self_attn.", "in_proj_weight", "in_projs.{t}.weight", steps, 3 * dd, dd))
+        out[q + "out_proj"] = convert(_attention_weight(reader, p + "self_attn.", "out_proj.weight", "out_projs.{t}.weight", steps, dd, dd))
+        out[q + "norm1"] = get(reader, p + "norm1.alpha", (1, 1, dd)).view(dd)
+        out[q + "norm2"] = get(reader, p + "norm2.alpha", (1, 1, dd)).view(dd)
+        out[q + "ffn_in"] = torch.stack([get(reader, p + f"gating.{t}.linear_in.weight", (2 * hd, dd)) for t in range(steps)])
+        out[q + "ffn_out"] = torch.stack([get(reader, p + f"gating.{t}.linear_out.weight", (dd, hd)) for t in range(steps)])
+    return out
+
+
 def load_lm_tensors(
     reader: SafetensorsReader,
     cfg: LMConfig,
@@ -203,43 +267,10 @@ def load_lm_tensors(
     ``steps`` is the number of depformer steps to load (8: agent codebooks only).
     ``convert`` is applied to each tensor as it is read (dtype/device), to bound peak memory.
     """
-    d, dd = cfg.dim, cfg.depformer_dim
-    h, hd = cfg.ffn_hidden, cfg.depformer_ffn_hidden
-    have = depformer_steps_in_file(reader)
-    if have == 0:
-        raise CheckpointError(f"{reader.path}: missing tensor 'linears.0.weight' (no depformer heads)")
-    if have < steps:
-        _too_few(reader, "linears.*", have, steps)
-    get = lambda key, shape: convert(reader.get(key, shape))  # noqa: E731
-    out: dict[str, torch.Tensor] = {
-        "emb": torch.stack([get(f"emb.{i}.weight", (cfg.card + 1, d)) for i in range(cfg.n_q)]),
-        "text_emb": get("text_emb.weight", (cfg.text_card + 1, d)),
-        "out_norm": get("out_norm.alpha", (1, 1, d)).view(d),
-        "text_linear": get("text_linear.weight", (cfg.text_card, d)),
-        "depformer_in": torch.stack([get(f"depformer_in.{t}.weight", (dd, d)) for t in range(steps)]),
-        "depformer_text_emb": get("depformer_text_emb.weight", (cfg.text_card + 1, dd)),
-        "linears": torch.stack([get(f"linears.{t}.weight", (cfg.card, dd)) for t in range(steps)]),
-    }
-    out["depformer_emb"] = (
-        torch.stack([get(f"depformer_emb.{t}.weight", (cfg.card + 1, dd)) for t in range(steps - 1)])
-        if steps > 1 else torch.empty(0, cfg.card + 1, dd)
-    )
+    depformer = depformer_tensors(reader, cfg, steps, convert)  # first: names a file without heads
+    out = lm_io_tensors(reader, cfg, convert)
     for layer in range(cfg.num_layers):
-        p = f"transformer.layers.{layer}."
-        q = f"layers.{layer}."
-        out[q + "in_proj"] = convert(_attention_weight(reader, p + "self_attn.", "in_proj_weight", "in_projs.{t}.weight", 1, 3 * d, d)[0])
-        out[q + "out_proj"] = convert(_attention_weight(reader, p + "self_attn.", "out_proj.weight", "out_projs.{t}.weight", 1, d, d)[0])
-        out[q + "norm1"] = get(p + "norm1.alpha", (1, 1, d)).view(d)
-        out[q + "norm2"] = get(p + "norm2.alpha", (1, 1, d)).view(d)
-        out[q + "ffn_in"] = get(p + "gating.linear_in.weight", (2 * h, d))
-        out[q + "ffn_out"] = get(p + "gating.linear_out.weight", (d, h))
-    for layer in range(cfg.depformer_num_layers):
-        p = f"depformer.layers.{layer}."
-        q = f"depformer_layers.{layer}."
-        out[q + "in_proj"] = convert(_attention_weight(reader, p + "self_attn.", "in_proj_weight", "in_projs.{t}.weight", steps, 3 * dd, dd))
-        out[q + "out_proj"] = convert(_attention_weight(reader, p + "self_attn.", "out_proj.weight", "out_projs.{t}.weight", steps, dd, dd))
-        out[q + "norm1"] = get(p + "norm1.alpha", (1, 1, dd)).view(dd)
-        out[q + "norm2"] = get(p + "norm2.alpha", (1, 1, dd)).view(dd)
-        out[q + "ffn_in"] = torch.stack([get(p + f"gating.{t}.linear_in.weight", (2 * hd, dd)) for t in range(steps)])
-        out[q + "ffn_out"] = torch.stack([get(p + f"gating.{t}.linear_out.weight", (dd, hd)) for t in range(steps)])
+        for name, tensor in temporal_layer_tensors(reader, cfg, layer, convert).items():
+            out[f"layers.{layer}.{name}"] = tensor
+    out.update(depformer)
     return out

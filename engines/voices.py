@@ -109,6 +109,12 @@ class VoiceStore:
         found.update(self._registered)
         return sorted(found)
 
+    def check(self, name: str) -> None:
+        """``InvalidSessionSpec`` unless ``name`` is a well-formed name of a known voice."""
+        check_voice_name(name)
+        if name not in self.names():
+            raise InvalidSessionSpec(f"unknown voice {name!r}; available: {', '.join(self.names()) or 'none'}")
+
     def load(self, name: str) -> VoicePrompt:
         check_voice_name(name)
         with self._lock:
