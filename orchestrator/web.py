@@ -1,0 +1,75 @@
+"""The browser page and what it needs from the server: ``GET /`` (the talk page),
+``GET /static/<file>`` (its scripts) and ``GET /v1/voices`` (the voice and persona pickers).
+
+The page is plain files in ``orchestrator/static`` (no build step, nothing from a CDN) and
+speaks the same websocket protocol as every other client; nothing here touches a session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from quart import Quart, Response, jsonify, send_from_directory
+
+from engines.config import DEFAULT_PERSONA, DEFAULT_VOICE
+
+from .errors import ProtocolError
+from .services import Services
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+# Persona presets offered by the page (free text is always possible).  The default persona
+# is the model's own (what an empty ``instructions`` gets); the others are the reference
+# load driver's personas, so a page session can be compared with a driver run.
+PERSONA_PRESETS = (
+    DEFAULT_PERSONA,
+    "You are a concise and helpful assistant.",
+    "You are a calm and precise assistant.",
+    "You are a cheerful travel assistant.",
+)
+
+
+def register_web(app: Quart, services: Callable[[], Services]) -> None:
+    """Add the page routes to ``app``; ``services`` gives the running server's state."""
+
+    @app.get("/")
+    async def index() -> Response:
+        response = await send_from_directory(STATIC_DIR, "index.html")
+        # The page is tiny and changes with the server version: never serve a stale one.
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
+    async def static_file(filename: str) -> Response:
+        # send_from_directory refuses paths that leave STATIC_DIR (404).
+        response = await send_from_directory(STATIC_DIR, filename)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
+    # Quart mounts its own "static" endpoint at /static/<filename>, reading ./static of the
+    # working directory with a 12 h cache: serve the package's files there instead.
+    if "static" in app.view_functions:
+        app.view_functions["static"] = static_file
+    else:
+        app.add_url_rule("/static/<path:filename>", "static", static_file)
+
+    @app.get("/v1/voices")
+    async def voices() -> Response:
+        svc = services()
+        info = svc.scheduler.info
+        if info is None:  # the voices are known once the engine has loaded
+            loading = ProtocolError("engine_unavailable", "the model is still loading; retry shortly", retryable=True)
+            return jsonify({"error": loading.payload()}), 503
+        names = list(svc.scheduler.voices)
+        default = DEFAULT_VOICE if DEFAULT_VOICE in names or not names else names[0]
+        return jsonify({
+            "object": "list",
+            "data": [{"id": name, "object": "voice", "name": name.removesuffix(".pt"), "default": name == default}
+                     for name in names],
+            "default_voice": default,
+            "default_persona": DEFAULT_PERSONA,
+            "personas": list(PERSONA_PRESETS),
+            "model": svc.model_name,
+            "demo": info.is_demo,
+            "max_sessions": svc.max_sessions,
+        })
