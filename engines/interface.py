@@ -49,6 +49,22 @@ class NoFreeSlot(EngineError):
     code = "resource_exhausted"
 
 
+class SlotFault(EngineError):
+    """``step`` failed for some of its slots only (e.g. non-finite values in their rows).
+
+    ``slots``: the failed slots; their state is suspect and the caller restarts them.
+    ``outputs``: aligned with the step's slots, a ``FrameOutput`` for every slot that did
+    advance and None for a failed one; or None if no slot advanced at all (the caller then
+    steps the others' frames again).  Any other exception from ``step`` tells the caller
+    nothing about which slot failed, so it fails every slot of that step.
+    """
+
+    def __init__(self, message: str, slots: Sequence[int], outputs: Sequence[FrameOutput | None] | None = None):
+        super().__init__(message)
+        self.slots = tuple(slots)
+        self.outputs = list(outputs) if outputs is not None else None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings of one session (reference defaults)."""

@@ -49,8 +49,8 @@ def canonical_codec(name: object) -> str | None:
 
 def check_rate(rate: object) -> int:
     """A sample rate must be an integer in [8000, 192000] (the reference's bounds)."""
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate != int(rate) \
-            or not MIN_RATE <= rate <= MAX_RATE:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not MIN_RATE <= rate <= MAX_RATE \
+            or rate != int(rate):  # the range test first: int() of NaN or infinity raises
         raise AudioError("bad_event", f"sample_rate_hz must be an integer in [{MIN_RATE}, {MAX_RATE}], got {rate!r}")
     return int(rate)
 
@@ -106,6 +106,7 @@ class InputStream:
         self.rate = rate
         self._resampler = self._new_resampler()
         self._residue = np.zeros(0, dtype=np.float32)
+        self._held = 0.0  # output samples the resampler owes for input it has taken (its delay)
 
     def _new_resampler(self):
         if self.rate == SAMPLE_RATE:
@@ -113,14 +114,17 @@ class InputStream:
         return soxr.ResampleStream(self.rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ")
 
     def frames_after(self, n_samples: int) -> int:
-        """Upper bound of the whole frames that ``push`` of ``n_samples`` input samples yields."""
-        out = n_samples * SAMPLE_RATE / self.rate + 64  # resampler delay release, generously
+        """Upper bound of the whole frames that ``push`` of ``n_samples`` input samples yields
+        (what the resampler still holds may come out with them)."""
+        out = n_samples * SAMPLE_RATE / self.rate + self._held + 2  # + rounding
         return int((len(self._residue) + out) // FRAME_SAMPLES)
 
     def push(self, samples: np.ndarray) -> np.ndarray:
         """Append samples at the stream rate; returns the completed frames, float32 [n, 1920]."""
         if self._resampler is not None:
+            taken = len(samples)
             samples = self._resampler.resample_chunk(samples)
+            self._held = max(0.0, self._held + taken * SAMPLE_RATE / self.rate - len(samples))
         buf = np.concatenate((self._residue, samples)) if len(self._residue) else samples
         n = len(buf) // FRAME_SAMPLES
         self._residue = np.array(buf[n * FRAME_SAMPLES:], dtype=np.float32)
@@ -139,6 +143,7 @@ class InputStream:
         """Drop the partial frame and the resampler's history (input_audio_buffer.clear)."""
         self._residue = np.zeros(0, dtype=np.float32)
         self._resampler = self._new_resampler()
+        self._held = 0.0
 
 
 def float_to_pcm16(frames: np.ndarray) -> np.ndarray:

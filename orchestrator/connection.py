@@ -8,6 +8,10 @@ closes the socket; after that, errors never close it.
 Slot accounting: whatever way the connection ends (``session.close``, idle timeout, a plain
 websocket close, a client that stops reading, shutdown) the engine slot is released once and
 the admission slot is given back only after that.
+
+Limits: the caller's per-address and per-key counts (``limits.py``) are taken for the whole
+life of the socket; client events beyond ``max_events_per_s`` are dropped with at most one
+``event_rate_exceeded`` error a second.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from engines.interface import EngineError
 from . import events as ev
 from .client_events import CLOSE_EVENTS, client_event_id, decode_event
 from .errors import ProtocolError
+from .limits import EventRate
 from .session import Session
 from .session_config import SessionConfig, parse_session_update, session_payload
 from .services import Services
@@ -31,20 +36,42 @@ from .services import Services
 log = logging.getLogger(__name__)
 
 # Close code per close reason; anything else ends normally (1000), as the reference does.
-_CLOSE_CODES = {"output_backpressure": 1008, "engine_error": 1011, "transport_error": 1011}
+_CLOSE_CODES = {"output_backpressure": 1008, "engine_error": 1011, "transport_error": 1011, "shutdown": 1001}
+# Handshake refusals that are not the client's fault: 1013 = try again later, 1001 = going away.
+_REFUSAL_CLOSE_CODES = {"resource_exhausted": 1013, "session_limit_exceeded": 1013, "open_rate_limited": 1013,
+                        "engine_stalled": 1013, "server_shutting_down": 1001}
 _MAX_CLOSE_REASON_BYTES = 123  # RFC 6455
+_TIMEOUT = object()  # handshake receive outcomes other than a message
+_SHUTDOWN = object()
 
 
 class Connection:
-    def __init__(self, websocket: Any, services: Services, *, url_model: str | None, autostart: bool) -> None:
+    def __init__(self, websocket: Any, services: Services, *, url_model: str | None, autostart: bool,
+                 client: tuple[str, str | None] | None = None) -> None:
         self.ws = websocket
         self.services = services
         self.settings = services.settings
         self.url_model = url_model
         self.autostart = autostart
+        self.client = client  # (address, API key digest) counted against the per-client limits
         self._cleanup: concurrent.futures.Future | None = None
+        self._rate = EventRate(self.settings.max_events_per_s, self.settings.max_input_bytes_per_s,
+                               self.settings.max_event_bytes)
 
     async def run(self) -> None:
+        if self.client is not None:
+            refusal = self.services.admit_client(*self.client)
+            if refusal is not None:
+                extra = {"retry_after_s": refusal.retry_after_s} if refusal.retry_after_s is not None else {}
+                await self._refuse(ProtocolError(refusal.code, refusal.message, retryable=True, **extra))
+                return
+        try:
+            await self._run()
+        finally:
+            if self.client is not None:
+                self.services.release_client(*self.client)
+
+    async def _run(self) -> None:
         opening = await self._handshake()
         if opening is None:
             return
@@ -75,11 +102,17 @@ class Connection:
         held_bytes = 0
         first = True
         while True:
-            try:
-                message = await asyncio.wait_for(self.ws.receive(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
+            message = await self._receive_before(deadline)
+            if message is _SHUTDOWN:
+                self.services.metrics.inc("connections_refused", "shutdown")
+                await self._refuse(ProtocolError("server_shutting_down", "the server is shutting down", retryable=True))
+                return None
+            if message is _TIMEOUT:
                 await self._refuse(ProtocolError("config_timeout", "Timeout waiting for session.update"))
                 return None
+            if not self._rate.allow(_size(message)):
+                await self._rate_limited(None)
+                continue
             try:
                 event = decode_event(message, self.settings.max_event_bytes)
             except ProtocolError as exc:
@@ -108,14 +141,35 @@ class Connection:
             held.append(event)
             held_bytes += len(message)
 
+    async def _receive_before(self, deadline: float) -> Any:
+        """The next message, or ``_TIMEOUT`` at ``deadline``, or ``_SHUTDOWN`` once draining."""
+        receive = asyncio.ensure_future(self.ws.receive())
+        shutdown = asyncio.ensure_future(self.services.shutdown_started.wait())
+        timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+        try:
+            done, _ = await asyncio.wait((receive, shutdown), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (receive, shutdown):
+                if not task.done():
+                    task.cancel()
+        if receive in done:
+            return receive.result()
+        return _SHUTDOWN if shutdown in done else _TIMEOUT
+
     async def _open(self, event: Mapping[str, Any]) -> Session | None:
         services = self.services
         eid = client_event_id(event)
         defaults = SessionConfig(model=self.url_model or "", idle_timeout_s=self.settings.idle_timeout_s)
         try:
-            config = parse_session_update(session_payload(event), defaults, is_open=False, input_rate_locked=False)
+            config = parse_session_update(session_payload(event), defaults, is_open=False, input_rate_locked=False,
+                                          max_instructions_chars=self.settings.max_instructions_chars)
         except ProtocolError as exc:
             await self._refuse(exc, eid)
+            return None
+        refusal = services.open_refusal()
+        if refusal is not None:
+            services.metrics.inc("connections_refused", "shutdown" if services.draining else "stalled")
+            await self._refuse(refusal, eid)
             return None
         if not services.admission.try_acquire():
             services.metrics.inc("sessions_refused")
@@ -141,6 +195,8 @@ class Connection:
         session = Session(session_id, config, scheduler=services.scheduler, settings=self.settings,
                           metrics=services.metrics, caps=services.caps)
         services.sessions[session_id] = session
+        if services.draining:  # the drain began while the slot was being prepared
+            session.request_stop("shutdown")
         services.metrics.inc("sessions_opened")
         log.info("session %s opened (voice=%s)", session_id, config.voice)
         session.emit({"type": "session.created", "session": session.public()}, journal=False)
@@ -174,6 +230,9 @@ class Connection:
                 if receive in done:
                     message, receive = receive.result(), None
                     last_event = loop.time()
+                    if not self._rate.allow(_size(message)):
+                        await self._rate_limited(session)
+                        continue
                     try:
                         event = decode_event(message, self.settings.max_event_bytes)
                     except ProtocolError as exc:
@@ -238,14 +297,29 @@ class Connection:
         except Exception:  # noqa: BLE001 - the client is gone or not reading; nothing to tell it
             pass
 
+    async def _rate_limited(self, session: Session | None) -> None:
+        """An event over the event or byte rate was dropped; say so at most once a second."""
+        self.services.metrics.inc("events_dropped")
+        if not self._rate.should_report():
+            return
+        settings = self.settings
+        error = ProtocolError("event_rate_exceeded", f"more than {settings.max_events_per_s:g} events or "
+                              f"{settings.max_input_bytes_per_s} bytes per second: {self._rate.take_dropped()} "
+                              "event(s) dropped", retryable=True)
+        if session is not None:
+            session.emit_error(error)
+        else:
+            await self._send_direct(error)
+
     async def _send_direct(self, error: ProtocolError, client_id: str | None = None) -> None:
         self.services.metrics.inc("errors", error.code)
         await self._send_json({"type": "error", "event_id": ev.new_event_id(), "error": error.payload(client_id)})
 
     async def _refuse(self, error: ProtocolError, client_id: str | None = None) -> None:
-        """A handshake failure: one error event, then close the socket (1013 = try again later)."""
+        """A handshake failure: one error event, then close the socket (1008; 1013 = try again
+        later, 1001 = going away)."""
         await self._send_direct(error, client_id)
-        await self._close_socket(1013 if error.code == "resource_exhausted" else 1008, error.code)
+        await self._close_socket(_REFUSAL_CLOSE_CODES.get(error.code, 1008), error.code)
 
     async def _close_socket(self, code: int, reason: str) -> None:
         reason_bytes = reason.encode("utf-8")[:_MAX_CLOSE_REASON_BYTES]
@@ -254,6 +328,11 @@ class Connection:
                                    self.settings.close_timeout_s)
         except Exception:  # noqa: BLE001
             pass
+
+
+def _size(message: Any) -> int:
+    """Length of a websocket message (characters of text: the cheap, close-enough measure)."""
+    return len(message) if isinstance(message, (str, bytes)) else 0
 
 
 def _open_error(exc: Exception) -> ProtocolError:

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-RATE_LIMIT_CODES = frozenset({"resource_exhausted", "input_backpressure", "output_backpressure"})
+RATE_LIMIT_CODES = frozenset({"resource_exhausted", "input_backpressure", "output_backpressure",
+                              "session_limit_exceeded", "open_rate_limited", "event_rate_exceeded"})
 SERVER_ERROR_CODES = frozenset({
     "internal_error", "engine_error", "engine_unavailable", "commit_aborted", "server_vad_unavailable",
     "runtime_append_failed", "runtime_append_task_failed", "runtime_signal_failed", "runtime_abort_failed",
     "runtime_input_failed", "runtime_touch_failed", "runtime_data_plane_stream_failed",
-    "runtime_data_plane_text_without_audio",
+    "runtime_data_plane_text_without_audio", "engine_stalled", "server_shutting_down",
 })
-AUTH_CODES = frozenset({"invalid_api_key"})
+AUTH_CODES = frozenset({"invalid_api_key", "origin_not_allowed"})
 
 
 def error_type(code: str) -> str:

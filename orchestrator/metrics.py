@@ -51,10 +51,18 @@ class Metrics:
         self.ticks = 0
         self.tick_seconds = Histogram(TICK_BUCKETS_S)
         self.batch_size = Histogram(BATCH_BUCKETS)
+        # Reliability (docs/RELIABILITY.md).
+        self.tick_failures: dict[str, int] = defaultdict(int)  # by scope: slots | batch
+        self.tick_stalls = 0  # engine calls the watchdog found past their deadline
+        self.connections_refused: dict[str, int] = defaultdict(int)  # before a session: by reason
+        self.events_dropped = 0  # client events over the per-socket rate limit
         # Gauges read at scrape time from their owners.
         self.live_sessions: Callable[[], int] = lambda: 0
         self.free_slots: Callable[[], int] = lambda: 0
         self.ready: Callable[[], bool] = lambda: False
+        self.engine_stalled: Callable[[], bool] = lambda: False
+        self.draining: Callable[[], bool] = lambda: False
+        self.loop_tasks: Callable[[], int] = lambda: 0
 
     def inc(self, name: str, label: str | None = None, n: int = 1) -> None:
         with self._lock:
@@ -107,7 +115,29 @@ class Metrics:
                    [f"personaplex_frames_dropped_total {self.frames_dropped}"])
             metric("personaplex_errors_total", "counter", "Error events sent, by code.",
                    _labelled("personaplex_errors_total", "code", self.errors))
+            self._render_reliability(metric)
             return "\n".join(lines) + "\n"
+
+
+    def _render_reliability(self, metric: Callable[[str, str, str, list[str]], None]) -> None:
+        metric("personaplex_tick_failures_total", "counter",
+               "Ticks where engine.step raised, by scope (slots: only named sessions failed; batch: all of the tick).",
+               _labelled("personaplex_tick_failures_total", "scope", self.tick_failures))
+        metric("personaplex_connections_refused_total", "counter",
+               "Websockets refused before a session, by reason (auth, origin, limits, shutdown, stalled).",
+               _labelled("personaplex_connections_refused_total", "reason", self.connections_refused))
+        for name, kind, help_text, value in (
+            ("personaplex_tick_stalls_total", "counter", "Engine calls that ran past the watchdog deadline.",
+             self.tick_stalls),
+            ("personaplex_engine_stalled", "gauge", "1 while an engine call is past the watchdog deadline.",
+             int(self.engine_stalled())),
+            ("personaplex_draining", "gauge", "1 once shutdown has begun (new opens refused).", int(self.draining())),
+            ("personaplex_events_dropped_total", "counter", "Client events dropped by the per-socket rate limits.",
+             self.events_dropped),
+            ("personaplex_event_loop_tasks", "gauge", "asyncio tasks alive on the server's event loop.",
+             self.loop_tasks()),
+        ):
+            metric(name, kind, help_text, [f"{name} {value}"])
 
 
 def _labelled(name: str, label: str, values: dict[str, int]) -> list[str]:

@@ -6,7 +6,7 @@ engine call is ever made on the event loop.
 
 from __future__ import annotations
 
-import hmac
+import json
 import logging
 import time
 
@@ -14,9 +14,13 @@ from quart import Quart, Response, jsonify, websocket
 
 from engines.factory import create_engine
 
+from .access import Caller
 from .connection import Connection
+from .errors import error_type
 from .services import EngineFactory, Services
 from .settings import Settings
+from .web import register_web
+from .ws_drain import DrainAfterClose
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +32,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     """Build the server.  ``settings=None`` reads ``PERSONAPLEX_*`` when serving starts, so
     importing ``orchestrator:app`` has no side effects."""
     app = Quart("personaplex")
+    app.asgi_app = DrainAfterClose(app.asgi_app)  # no connection task left waiting on a closed socket
     holder: dict[str, Services] = {}
     started_at = int(time.time())
 
@@ -76,6 +81,9 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
     @app.websocket("/v1/realtime")
     async def realtime():
         if request_arg("duplex", "1").lower() in _OFF:
+            caller = _gate(services())
+            if isinstance(caller, Response):
+                return caller
             # Only the duplex handler is mounted here (reference: turn-based is "not available").
             await Connection(websocket, services(), url_model=None, autostart=False).refuse_unsupported()
             return None
@@ -87,16 +95,17 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
 
     async def serve_duplex():
         svc = services()
-        if svc.settings.api_keys and not _authorized(svc.settings.api_keys):
-            return Response('{"error":{"type":"authentication_error","code":"invalid_api_key",'
-                            '"message":"missing or unknown API key (Authorization: Bearer <key>)"}}',
-                            status=401, content_type="application/json")
-        await websocket.accept()
+        caller = _gate(svc)
+        if isinstance(caller, Response):
+            return caller
+        await websocket.accept(subprotocol=caller.subprotocol)
+        address = svc.access.client_address(websocket.scope, websocket.headers)
         model = request_arg("model", "") or None
         autostart = request_arg("autostart", "").lower() in _ON
-        await Connection(websocket, svc, url_model=model, autostart=autostart).run()
+        await Connection(websocket, svc, url_model=model, autostart=autostart, client=(address, caller.key_id)).run()
         return None
 
+    register_web(app, services)  # the browser page and /v1/voices (web.py)
     return app
 
 
@@ -104,9 +113,23 @@ def request_arg(name: str, default: str) -> str:
     return websocket.args.get(name, default)
 
 
-def _authorized(keys: tuple[str, ...]) -> bool:
-    header = websocket.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return False
-    return any(hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys)
+def _gate(svc: Services) -> Caller | Response:
+    """Origin and API key checks before the websocket is accepted: a refused caller gets one
+    HTTP reply (403 or 401) and never a websocket."""
+    headers = websocket.headers
+    client = websocket.scope.get("client")
+    if not svc.access.origin_allowed(headers, str(client[0]) if client else None):
+        svc.metrics.inc("connections_refused", "origin")
+        return _http_error(403, "origin_not_allowed", f"origin {headers.get('Origin')!r} is not allowed here "
+                           "(PERSONAPLEX_ALLOWED_ORIGINS)")
+    caller = svc.access.authenticate(headers, websocket.args, websocket.requested_subprotocols)
+    if caller is None:
+        svc.metrics.inc("connections_refused", "auth")
+        return _http_error(401, "invalid_api_key", "missing or unknown API key (send Authorization: Bearer <key>, "
+                           "the subprotocol openai-insecure-api-key.<key>, or ?api_key=<key>)")
+    return caller
+
+
+def _http_error(status: int, code: str, message: str) -> Response:
+    body = {"error": {"type": error_type(code), "code": code, "message": message}}
+    return Response(json.dumps(body), status=status, content_type="application/json")

@@ -19,6 +19,13 @@ Control work (opening a slot with its prefill, restarting an epoch) is expensive
 this same thread, so it is placed where it costs live lanes least: right after a tick, when
 the paced clients' next frames are furthest away, at most one job per gap, or whenever no
 lane has a frame waiting.  Closes are cheap and run before anything else.
+
+Faults: a ``SlotFault`` from ``engine.step`` fails only the slots it names (the others keep
+their outputs, or have their frames stepped again if none advanced); any other exception
+fails every lane of that tick, because nobody can say which one caused it.  A failed lane
+is suspended at once (its queued frames dropped, a restart of its model context queued) and
+its session is told with a ``FrameFailure``; the thread goes on ticking.  ``busy`` names the
+engine call in progress, for the watchdog.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from engines.config import FRAME_SAMPLES
-from engines.interface import Engine, EngineInfo, SessionSpec
+from engines.interface import Engine, EngineInfo, FrameOutput, SessionSpec, SlotFault
 
 from .audio import float_to_pcm16
 from .metrics import Metrics
@@ -62,12 +69,21 @@ class FrameResult:
 
 @dataclass(frozen=True)
 class FrameFailure:
-    """``engine.step`` raised for a batch containing this lane."""
+    """``engine.step`` failed for this lane (alone, or with its whole tick)."""
 
     key: str
     epoch: int
     message: str
     fatal: bool = False  # the slot could not be restarted: the session cannot go on
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """The engine call in progress (read by the watchdog from the event loop)."""
+
+    kind: str  # tick | open | restart | close
+    since: float  # scheduler clock
+    sessions: int  # how many sessions it concerns (the tick's batch size)
 
 
 def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
@@ -131,6 +147,8 @@ class TickScheduler:
         self.load_error: BaseException | None = None
         self.info: EngineInfo | None = None
         self.voices: tuple[str, ...] = ()
+        self.busy: EngineCall | None = None  # written by the engine thread only
+        self.failed_ticks_in_row = 0  # ticks in a row that produced no output at all
 
     # Lifecycle (event loop side) --------------------------------------------------------------
     def start(self, loop: Any, deliver: Callable[[list], None]) -> None:
@@ -169,14 +187,18 @@ class TickScheduler:
         lane's next frame."""
         with self._cond:
             lane = self._lanes.get(key)
-            if lane is None or lane.closing:
-                return
-            lane.want_epoch = epoch
-            lane.frames.clear()
-            if not lane.restart_queued:
-                lane.restart_queued = True
-                self._jobs.append(("restart", key))
+            if lane is None or lane.closing or lane.want_epoch == epoch:
+                return  # gone, or this restart was already started by a fault (_suspend)
+            self._want_restart(lane, epoch)
             self._cond.notify()
+
+    def _want_restart(self, lane: _Lane, epoch: int) -> None:
+        """Under the lock: drop the lane's queued frames and queue a restart into ``epoch``."""
+        lane.want_epoch = epoch
+        lane.frames.clear()
+        if not lane.restart_queued:
+            lane.restart_queued = True
+            self._jobs.append(("restart", lane.key))
 
     def close(self, key: str) -> concurrent.futures.Future:
         """Release the lane's slot (or cancel its pending open); the future resolves once the
@@ -232,10 +254,15 @@ class TickScheduler:
             if kind == "tick":
                 self._tick(engine, action[1])
                 self._after_tick = True
-            elif kind == "close":
-                self._close(engine, *action[1:])
-            else:
-                self._job(engine, action)
+                continue
+            self.busy = EngineCall(kind, self._clock(), 1)
+            try:
+                if kind == "close":
+                    self._close(engine, *action[1:])
+                else:
+                    self._job(engine, action)
+            finally:
+                self.busy = None
         for key in list(self._lanes):
             self._close(engine, key, concurrent.futures.Future())
 
@@ -327,13 +354,28 @@ class TickScheduler:
         slots = [lane.slot for lane, *_ in batch]
         pcm = np.stack([frame for _, _, frame, _, _ in batch])
         start = self._clock()
+        self.busy = EngineCall("tick", start, len(batch))
         try:
-            outputs = engine.step(slots, pcm)
+            try:
+                outputs = engine.step(slots, pcm)
+            finally:
+                self.busy = None
+            if len(outputs) != len(batch):
+                raise RuntimeError(f"engine.step returned {len(outputs)} outputs for {len(batch)} slots")
+        except SlotFault as fault:
+            batch, outputs = self._slot_fault(batch, fault)
+            if not batch:
+                return
         except Exception as exc:  # noqa: BLE001 - one failed tick must not kill the server
-            log.exception("engine.step failed for slots %s", slots)
-            self._hand_back([FrameFailure(lane.key, epoch, f"{type(exc).__name__}: {exc}")
-                             for lane, epoch, *_ in batch])
+            self._batch_fault(batch, exc)
             return
+        try:
+            self._hand_back_outputs(batch, outputs, start)
+        except Exception as exc:  # noqa: BLE001 - malformed outputs: nobody gets this tick's frame
+            self._batch_fault(batch, exc)
+
+    def _hand_back_outputs(self, batch: list, outputs: list[FrameOutput], start: float) -> None:
+        self.failed_ticks_in_row = 0
         seconds = self._clock() - start
         self._ticks += 1
         pcm16 = float_to_pcm16(np.stack([out.pcm for out in outputs]))
@@ -345,6 +387,51 @@ class TickScheduler:
                         len(batch), (start - arrival) * 1e3)
             for i, ((lane, epoch, _, arrival, silent), out) in enumerate(zip(batch, outputs))
         ])
+
+    def _slot_fault(self, batch: list, fault: SlotFault) -> tuple[list, list[FrameOutput]]:
+        """Fail the lanes ``fault`` names; returns the lanes that did advance, with outputs."""
+        failed = set(fault.slots)
+        if not failed & {lane.slot for lane, *_ in batch} or (fault.outputs is not None
+                                                              and len(fault.outputs) != len(batch)):
+            self._batch_fault(batch, fault)  # it names nobody in this tick, or is malformed: no trust
+            return [], []
+        self._metrics.inc("tick_failures", "slots")
+        log.error("engine.step failed for slot(s) %s of a %d-slot tick: %s", sorted(failed), len(batch), fault)
+        failures, kept, outputs = [], [], []
+        with self._cond:
+            for i, item in enumerate(batch):
+                lane, epoch, frame, arrival, silent = item
+                if lane.slot in failed:
+                    failures.append(self._suspend(lane, epoch, f"the model failed on this session's frame: {fault}"))
+                elif fault.outputs is None:
+                    if lane.live:  # nothing advanced: step this frame again next tick
+                        lane.frames.appendleft((frame, arrival, silent))
+                elif fault.outputs[i] is not None:
+                    kept.append(item)
+                    outputs.append(fault.outputs[i])
+        if not kept:
+            self.failed_ticks_in_row += 1
+        self._hand_back(failures)
+        return kept, outputs
+
+    def _batch_fault(self, batch: list, exc: BaseException) -> None:
+        """The engine cannot say which lane failed: fail them all, keep serving."""
+        self._metrics.inc("tick_failures", "batch")
+        self.failed_ticks_in_row += 1
+        log.error("engine.step failed on a %d-slot tick and the failing session cannot be identified: failing and "
+                  "restarting all %d sessions of the tick", len(batch), len(batch), exc_info=exc)
+        message = (f"the model failed on a tick shared by {len(batch)} sessions ({type(exc).__name__}: {exc}); "
+                   "which session caused it is unknown, so every one of them was restarted")
+        with self._cond:
+            failures = [self._suspend(lane, epoch, message) for lane, epoch, *_ in batch]
+        self._hand_back(failures)
+
+    def _suspend(self, lane: _Lane, epoch: int, message: str) -> FrameFailure:
+        """Under the lock: stop stepping a failed lane's suspect context; restart it into the
+        next epoch (the session learns the same from the FrameFailure)."""
+        if not lane.closing and lane.want_epoch <= epoch:
+            self._want_restart(lane, epoch + 1)
+        return FrameFailure(lane.key, epoch, message)
 
     def _hand_back(self, results: list) -> None:
         try:

@@ -37,7 +37,9 @@ class Outbox:
     """A session's unsent server events, bounded in bytes.
 
     The tick never waits for a client: if this grows past ``limit`` the client is not
-    reading, and the session is closed instead (``put`` returns False).
+    reading, and the session is closed instead (``put`` returns False).  Errors and endings
+    (``force``) may go past ``limit``, but only by ``limit`` again: a client that sends bad
+    events and reads nothing cannot grow the queue without bound either.
     """
 
     def __init__(self, limit: int) -> None:
@@ -49,7 +51,7 @@ class Outbox:
         self._idle.set()
 
     def put(self, text: str, tag: str | None = None, force: bool = False) -> bool:
-        if not force and self.bytes + len(text) > self.limit:
+        if self.bytes + len(text) > (2 * self.limit if force else self.limit):
             return False
         self._items.append((text, tag))
         self.bytes += len(text)
@@ -195,7 +197,7 @@ class Session:
                 self._response_create(event)
             elif kind in ("playback.ack", "audio.playback_ack"):
                 played = event.get("played_ms")
-                if isinstance(played, bool) or not isinstance(played, (int, float)) or played < 0:
+                if isinstance(played, bool) or not isinstance(played, (int, float)) or not 0 <= played < 1e15:
                     raise ProtocolError("bad_event", "playback.ack needs a number played_ms >= 0", param="played_ms")
                 self.emit({"type": "playback.acknowledged", "played_ms": played})
             elif kind == "session.resume":
@@ -211,7 +213,7 @@ class Session:
                     raise ProtocolError("missing_item_id", f"{kind} needs item_id", param="item_id")
                 raise ProtocolError("item_not_found", f"item {event['item_id']!r} not found", param="item_id")
             else:
-                raise ProtocolError("unknown_event", f"Unknown duplex event type: {kind}", param="type")
+                raise ProtocolError("unknown_event", f"Unknown duplex event type: {kind[:100]}", param="type")
         except ProtocolError as exc:
             self.emit_error(exc, eid)
         except AudioError as exc:
@@ -220,7 +222,8 @@ class Session:
 
     def _update(self, event: Mapping[str, Any]) -> None:
         self.config = parse_session_update(session_payload(event), self.config, is_open=True,
-                                           input_rate_locked=self._input is not None)
+                                           input_rate_locked=self._input is not None,
+                                           max_instructions_chars=self._settings.max_instructions_chars)
         self.emit({"type": "session.updated", "session": self.public()})
 
     def _append(self, event: Mapping[str, Any]) -> None:
@@ -276,8 +279,10 @@ class Session:
 
     # Model output -----------------------------------------------------------------------------
     def on_result(self, result: FrameResult | FrameFailure) -> None:
-        if self.state != "open" or result.epoch != self.epoch:
-            self._metrics.inc("frames_dropped")  # late output of a cancelled epoch
+        if self.state != "open" or result.epoch != self.epoch or self.stop.done():
+            # Late output of a cancelled epoch, or of a session already told to stop (its
+            # events would be dropped, and a response opened now could never be announced).
+            self._metrics.inc("frames_dropped")
             return
         if isinstance(result, FrameFailure):
             self._on_failure(result)
@@ -335,12 +340,13 @@ class Session:
         self._last_item_id = ev.item_id_for(response.id)
 
     def _on_failure(self, failure: FrameFailure) -> None:
-        self.emit_error(ProtocolError("engine_error", f"the model failed on this session's frame: {failure.message}"))
+        self.emit_error(ProtocolError("engine_error", failure.message))
         self._end_response("failed", "engine_error")
         if failure.fatal:
             self.request_stop("engine_error")
             return
-        # A failed step may leave the slot's context half-updated: start a fresh epoch.
+        # A failed step may leave the slot's context half-updated: a fresh epoch (the
+        # scheduler has already queued its restart; this call then changes nothing).
         self.epoch += 1
         self._scheduler.restart(self.id, self.epoch)
 

@@ -32,6 +32,9 @@ ECHOED_FIELDS = (
     "input_audio_noise_reduction",
 )
 DEFAULT_MODALITIES = ("text", "audio")
+# The session object is echoed back in every session.updated: deeper nesting than any real
+# client sends is refused here, so our own encoder can never hit its recursion limit.
+MAX_SESSION_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -80,12 +83,18 @@ def parse_session_update(
     *,
     is_open: bool,
     input_rate_locked: bool,
+    max_instructions_chars: int | None = None,
 ) -> SessionConfig:
     """Apply ``payload`` to ``current``; raises ``ProtocolError`` without changing anything.
 
     ``is_open``: the session exists, so voice, persona, model and sampling are immutable.
     ``input_rate_locked``: audio was received, so the input rate can no longer change.
+    ``max_instructions_chars``: the longest persona accepted (each persona token costs one
+    prefill step of the engine thread that every session shares).
     """
+    if _depth(payload, MAX_SESSION_DEPTH) > MAX_SESSION_DEPTH:
+        raise ProtocolError("bad_event", f"the session object is nested deeper than {MAX_SESSION_DEPTH} levels",
+                            param="session")
     audio = payload.get("audio")
     if audio is not None and not isinstance(audio, Mapping):
         raise ProtocolError("bad_event", "session.audio must be an object", param="session.audio")
@@ -110,6 +119,9 @@ def parse_session_update(
         instructions = payload["instructions"] if payload["instructions"] is not None else ""
         if not isinstance(instructions, str):
             raise ProtocolError("bad_event", "instructions must be a string", param="instructions")
+        if max_instructions_chars is not None and len(instructions) > max_instructions_chars:
+            raise ProtocolError("instructions_too_long", f"instructions (the persona) may have at most "
+                                f"{max_instructions_chars} characters, got {len(instructions)}", param="instructions")
         new = replace(current, instructions=instructions)
         if is_open and new.persona != current.persona:
             raise ProtocolError("persona_update_unsupported", "the persona (instructions) of an open session cannot change",
@@ -173,6 +185,15 @@ def parse_session_update(
     echoed.update({k: payload[k] for k in ECHOED_FIELDS if k in payload})
     changes["echoed"] = echoed
     return replace(current, **changes)
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of lists and objects in ``value``, counted no further than ``limit + 1``."""
+    if not isinstance(value, (Mapping, list)) or limit < 0:
+        return 0
+    children = value.values() if isinstance(value, Mapping) else value
+    nested = [child for child in children if isinstance(child, (Mapping, list))]  # scalars end here
+    return 1 + max((_depth(child, limit - 1) for child in nested), default=0)
 
 
 def _section(audio: Mapping[str, Any] | None, name: str) -> Mapping[str, Any]:

@@ -10,6 +10,7 @@ here, with a message naming the variable, so a typo fails at start-up and not mi
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import tomllib
@@ -27,6 +28,14 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 CPU_DEFAULT_MAX_SESSIONS = 8
 # Upper bound of the derived default; the engine allocates one KV window per slot up front.
 DERIVED_MAX_SESSIONS_CAP = 128
+KV_CACHE_MODES = ("auto", "fp8")
+BACKENDS = ("torch", "trtllm")  # engines.factory.BACKENDS (not imported: no torch here)
+# One PersonaPlex-7B session's full temporal window (32 layers x 32 heads x 3000 x 128, K+V):
+# 1.57 GB in bf16; fp8 halves it and adds 4 bytes of scale per 128 (engines.modules.kv_ring).
+SESSION_MEMORY_GB = {"auto": 1.6, "fp8": 0.82}
+
+
+AUTH_MODES = ("auto", "required", "off")
 
 
 class SettingsError(ValueError):
@@ -38,11 +47,19 @@ class Settings:
     # Model ---------------------------------------------------------------------------------
     checkpoint: str | None = None  # checkpoint directory; None = embedded tiny demo model
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N"
-    backend: str = "torch"
+    backend: str = "torch"  # "torch", or "trtllm" with checkpoint = a convert_checkpoint.py build dir
     window: str = "reference"  # attention window policy handed to the engine
+    # Temporal KV cache storage: "auto" = the model dtype (bf16 on a GPU, float32 on CPU);
+    # "fp8" = float8 e4m3 with per-(position, head) scales, half the memory and bandwidth
+    # (CUDA only; ~2x the sessions per GPU; see docs/PERFORMANCE.md for its measured error).
+    kv_cache: str = "auto"
+    # torch.compile the GPU fast path's layer blocks: auto = on for CUDA, off on CPU (where
+    # the eager path is the exact reference); compiling adds a minute or two to start-up.
+    compile: str = "auto"
     # Admission: None derives it from device memory and session_memory_gb (see resolve_*).
     max_sessions: int | None = None
-    session_memory_gb: float = 1.6  # device memory of one session's full KV window (7B, bf16)
+    # Device memory of one session's full KV window; None = 1.6 (7B, bf16) or 0.82 (fp8).
+    session_memory_gb: float | None = None
     # Lockstep scheduler ----------------------------------------------------------------------
     batch_window_ms: float = 20.0  # longest a ready frame waits for the other sessions' frames
     silence_grace_s: float = 3.0  # input stall after which silence is fed; 0 disables it
@@ -58,6 +75,26 @@ class Settings:
     close_timeout_s: float = 5.0  # how long a closing session may take to flush its events
     api_keys: tuple[str, ...] = ()  # accepted "Authorization: Bearer" keys; empty = open
     model_name: str | None = None  # model id to report; None = the engine's name
+    # Access control (orchestrator/access.py, docs/RELIABILITY.md) ---------------------------
+    api_keys_file: str | None = None  # more keys, one per line ('#' comments); read at start
+    # "auto": keys required when any listening address is not loopback; "required"; "off".
+    auth: str = "auto"
+    bind: tuple[str, ...] = ()  # the --bind addresses, for when the sockets cannot be inspected
+    allowed_origins: tuple[str, ...] = ()  # browser Origins besides the server's own; "*" = any
+    trusted_proxies: tuple[str, ...] = ()  # peers whose X-Forwarded-For names the client
+    max_sessions_per_key: int = 0  # concurrent websockets per API key; 0 = no limit
+    max_sessions_per_ip: int = 0  # concurrent websockets per client address; 0 = no limit
+    opens_per_minute_per_key: int = 0  # websocket opens per key per minute (burst = 1 min); 0 = off
+    opens_per_minute_per_ip: int = 0
+    max_events_per_s: float = 250.0  # client events per second per socket (burst: 2 s); 0 = off
+    # Client bytes per second per socket (burst: 2 s, at least one max_event_bytes); 0 = off.
+    # 8 MiB/s is ~60x real time for base64 pcm_f32le at 24 kHz.
+    max_input_bytes_per_s: int = 8 * 1024 * 1024
+    max_instructions_chars: int = 6000  # persona length; each token is one prefill step
+    # Faults (scheduler, watchdog) -----------------------------------------------------------
+    watchdog_deadline_s: float = 10.0  # an engine call running longer is a stalled tick; 0 = off
+    unhealthy_after_failed_ticks: int = 3  # consecutive ticks with no output -> /health 503
+    fault_injection: str | None = None  # TESTING ONLY: orchestrator/fault_injection.py plans
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_zero: bool = False) -> None:
@@ -67,7 +104,14 @@ class Settings:
 
         if self.max_sessions is not None and not 1 <= self.max_sessions <= 4096:
             raise SettingsError(f"{env_name('max_sessions')} must be in [1, 4096], got {self.max_sessions!r}")
-        for name in ("session_memory_gb", "frames_per_delta", "first_message_timeout_s", "idle_timeout_s",
+        if self.session_memory_gb is not None:
+            positive("session_memory_gb")
+        if self.compile not in ("auto", "on", "off"):
+            raise SettingsError(f"{env_name('compile')} must be auto, on or off, got {self.compile!r}")
+        if self.kv_cache not in KV_CACHE_MODES:
+            raise SettingsError(f"{env_name('kv_cache')} must be one of {', '.join(KV_CACHE_MODES)}, "
+                                f"got {self.kv_cache!r}")
+        for name in ("frames_per_delta", "first_message_timeout_s", "idle_timeout_s",
                      "ready_wait_s", "max_event_bytes", "max_pending_input_bytes", "max_output_buffer_bytes",
                      "close_timeout_s"):
             positive(name)
@@ -77,6 +121,24 @@ class Settings:
             raise SettingsError(f"{env_name('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.checkpoint is not None and not Path(self.checkpoint).is_dir():
             raise SettingsError(f"{env_name('checkpoint')}={self.checkpoint!r} is not a directory")
+        if self.backend not in BACKENDS:
+            raise SettingsError(f"{env_name('backend')} must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "trtllm" and self.checkpoint is None:
+            raise SettingsError(f"{env_name('backend')}=trtllm needs {env_name('checkpoint')} set to a build "
+                                "directory written by convert_checkpoint.py")
+        self._check_reliability(positive)
+
+    def _check_reliability(self, positive: Any) -> None:
+        """Access-control and fault settings (kept apart: one job per block)."""
+        if self.auth not in AUTH_MODES:
+            raise SettingsError(f"{env_name('auth')} must be one of {', '.join(AUTH_MODES)}, got {self.auth!r}")
+        for name in ("max_sessions_per_key", "max_sessions_per_ip", "opens_per_minute_per_key",
+                     "opens_per_minute_per_ip", "max_events_per_s", "max_input_bytes_per_s", "watchdog_deadline_s",
+                     "unhealthy_after_failed_ticks"):
+            positive(name, allow_zero=True)
+        positive("max_instructions_chars")
+        if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
+            raise SettingsError(f"{env_name('api_keys_file')}={self.api_keys_file!r} is not a file")
 
     # Construction -----------------------------------------------------------------------------
     @classmethod
@@ -124,11 +186,15 @@ class Settings:
     def resolved_max_sessions(self, device: str) -> int:
         """The configured admission, or one derived from device memory and the KV budget.
 
-        On a GPU: (total memory - checkpoint size on disk) * 0.9 / ``session_memory_gb``,
-        clamped to [1, 128].  On CPU the demo default of 8.
+        On a GPU: (total memory - checkpoint size on disk) * 0.9 / ``session_memory_gb``
+        (by default the KV window of the ``kv_cache`` mode), clamped to [1, 128].  On CPU
+        the demo default of 8.
         """
         if self.max_sessions is not None:
             return self.max_sessions
+        if self.backend == "trtllm" and self.checkpoint is not None:
+            # A compiled engine has a batch size: admit the sessions it was built for.
+            return _build_max_sessions(Path(self.checkpoint))
         if not device.startswith("cuda"):
             return CPU_DEFAULT_MAX_SESSIONS
         import torch
@@ -136,7 +202,8 @@ class Settings:
         total = torch.cuda.get_device_properties(torch.device(device)).total_memory
         weights = _dir_bytes(Path(self.checkpoint)) if self.checkpoint else 0
         budget = (total - weights) * 0.9
-        return max(1, min(DERIVED_MAX_SESSIONS_CAP, int(budget // (self.session_memory_gb * 2**30))))
+        per_session = self.session_memory_gb or SESSION_MEMORY_GB[self.kv_cache]
+        return max(1, min(DERIVED_MAX_SESSIONS_CAP, int(budget // (per_session * 2**30))))
 
 
 def env_name(field_name: str) -> str:
@@ -192,3 +259,12 @@ def _coerce(name: str, type_name: Any, raw: Any) -> Any:
 
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _build_max_sessions(build_dir: Path) -> int:
+    """``max_sessions`` of a convert_checkpoint.py build (engines.trtllm.layout's runtime.json);
+    the CPU default when unreadable (the engine then reports what is wrong with the directory)."""
+    try:
+        return max(1, int(json.loads((build_dir / "runtime.json").read_text())["max_sessions"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return CPU_DEFAULT_MAX_SESSIONS

@@ -73,3 +73,15 @@ def e2e_duplex_server():
     yield server
     server.stop()
     server.assert_clean_log()
+
+
+# Browser page and command-line client fixtures (test_web_page.py, test_client_cli.py) -------
+@pytest.fixture(scope="session")
+def orch_page_server():
+    """A one-session server for the page and the CLI client: a second caller is refused
+    (server full), and with silence feeding off the output frames are exactly the input
+    frames (the CLI's output length is checked)."""
+    server = Server(max_sessions=1, silence_grace_s=0)
+    yield server
+    server.stop()
+    server.assert_clean_log()

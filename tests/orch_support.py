@@ -83,15 +83,16 @@ REFERENCE_SESSION = {
 
 
 class Server:
-    """``python -m hypercorn orchestrator:app`` on 127.0.0.1, port chosen by the OS."""
+    """``python -m hypercorn orchestrator:app`` on 127.0.0.1 (or ``host``), port chosen by the
+    OS; clients always connect through 127.0.0.1."""
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(self, host: str = "127.0.0.1", **settings: Any) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PERSONAPLEX_") or k == "PERSONAPLEX_CACHE_DIR"}
         env.update({f"PERSONAPLEX_{k.upper()}": str(v) for k, v in settings.items()})
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         self.log: deque[str] = deque(maxlen=5000)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hypercorn", "orchestrator:app", "--bind", "127.0.0.1:0", "--graceful-timeout", "2"],
+            [sys.executable, "-m", "hypercorn", "orchestrator:app", "--bind", f"{host}:0", "--graceful-timeout", "2"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.port: int | None = None
         found = threading.Event()
@@ -100,8 +101,8 @@ class Server:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
                 self.log.append(line.rstrip())
-                if self.port is None and "Running on http://127.0.0.1:" in line:
-                    self.port = int(line.split("Running on http://127.0.0.1:")[1].split()[0])
+                if self.port is None and f"Running on http://{host}:" in line:
+                    self.port = int(line.split(f"Running on http://{host}:")[1].split()[0])
                     found.set()
             found.set()
 

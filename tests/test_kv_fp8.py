@@ -137,3 +137,6 @@ def test_server_kv_cache_setting_sizes_admission():
     with pytest.raises(SettingsError, match="PERSONAPLEX_KV_CACHE"):
         Settings.from_mapping({"kv_cache": "int4"})
     assert Settings.from_mapping({"max_sessions": 3, "kv_cache": "fp8"}).resolved_max_sessions("cuda") == 3
+    assert Settings.from_mapping({"compile": "off"}).compile == "off"
+    with pytest.raises(SettingsError, match="PERSONAPLEX_COMPILE"):
+        Settings.from_mapping({"compile": "maybe"})

@@ -327,8 +327,10 @@ def test_client_that_stops_reading_is_closed_and_others_go_on(orch_tuned_server:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", orch_tuned_server.port))
+        # No client keepalive: its pongs would go unread too and end the test from our side.
         stalled, _ = await open_client(orch_tuned_server, headers=KEY,
-                                       connect={"compression": None, "max_queue": 1, "sock": sock})
+                                       connect={"compression": None, "max_queue": 1, "sock": sock,
+                                                "ping_interval": None})
         frames = speech_frames(20)
         chunk = f32_append(np.tile(frames.reshape(-1), 3))  # 60 frames, within the input budget
         closed = 'personaplex_sessions_closed_total{reason="output_backpressure"}'

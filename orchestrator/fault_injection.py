@@ -1,0 +1,169 @@
+"""Fault injection for tests and drills: an engine wrapper that fails chosen sessions' steps.
+
+``PERSONAPLEX_FAULT_INJECTION`` holds one or more plans separated by ``;``, each a list of
+``key=value`` pairs separated by ``,``::
+
+    persona=FAULT-A,mode=slot,after=5,times=1; persona=FAULT-H,mode=hang,seconds=2.5,after=3
+
+- ``persona``: the plan targets slots opened with a persona containing this text (so a test
+  picks its victim session through its ``instructions``);
+- ``mode``: ``slot`` (the victim's step fails, the others in the tick advance and keep their
+  output: ``SlotFault`` with outputs), ``slot_early`` (fails before anything advanced:
+  ``SlotFault`` without outputs, the others' frames are stepped again), ``batch`` (a plain
+  ``RuntimeError`` worded like a CUDA error: nobody can tell which session caused it),
+  ``hang`` (the step sleeps ``seconds`` before running: a stuck tick for the watchdog),
+  ``restart`` (the victim's next context restart fails: its session cannot go on);
+- ``after``: fire on the victim slot's N-th step since it was opened (default 5), then every
+  ``after`` steps, ``times`` times in all (default 1; 0 = no limit).
+
+The wrapper is installed only when the setting is set: with it unset the engine is used as
+is, so a production tick pays nothing for this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engines.interface import Engine, EngineError, FrameOutput, SessionSpec, SlotFault
+
+log = logging.getLogger(__name__)
+
+MODES = ("slot", "slot_early", "batch", "hang", "restart")
+
+
+class FaultPlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    persona: str
+    mode: str
+    after: int = 5
+    times: int = 1
+    seconds: float = 2.0
+
+    @classmethod
+    def parse_all(cls, text: str) -> list[FaultPlan]:
+        plans = [cls.parse(part) for part in text.split(";") if part.strip()]
+        if not plans:
+            raise FaultPlanError("no fault plan given")
+        return plans
+
+    @classmethod
+    def parse(cls, text: str) -> FaultPlan:
+        fields: dict[str, str] = {}
+        for item in text.split(","):
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise FaultPlanError(f"fault plan item {item.strip()!r} is not key=value")
+            fields[key.strip()] = value.strip()
+        unknown = set(fields) - {"persona", "mode", "after", "times", "seconds"}
+        if unknown:
+            raise FaultPlanError(f"unknown fault plan keys: {', '.join(sorted(unknown))}")
+        if not fields.get("persona") or fields.get("mode") not in MODES:
+            raise FaultPlanError(f"a fault plan needs persona=<text> and mode=<{'|'.join(MODES)}>: {text.strip()!r}")
+        try:
+            plan = cls(fields["persona"], fields["mode"], int(fields.get("after", 5)), int(fields.get("times", 1)),
+                       float(fields.get("seconds", 2.0)))
+        except ValueError as exc:
+            raise FaultPlanError(f"fault plan {text.strip()!r}: {exc}") from None
+        if plan.after < 1 or plan.times < 0 or plan.seconds < 0:
+            raise FaultPlanError(f"fault plan {text.strip()!r}: after >= 1, times >= 0, seconds >= 0")
+        return plan
+
+
+class _Victim:
+    def __init__(self, plan: FaultPlan) -> None:
+        self.plan = plan
+        self.steps = 0
+        self.fired = 0
+        self.restart_due = False
+
+    def step_fires(self) -> bool:
+        """Count one step of this slot; True when the plan fires on it."""
+        self.steps += 1
+        plan = self.plan
+        if plan.times and self.fired >= plan.times:
+            return False
+        if self.steps % plan.after:
+            return False
+        self.fired += 1
+        return True
+
+
+class FaultyEngine:
+    """Wraps an engine; everything not listed here is passed through unchanged."""
+
+    def __init__(self, inner: Engine, plans: Sequence[FaultPlan]) -> None:
+        self.inner = inner
+        self.plans = list(plans)
+        self.injected = 0  # faults fired so far
+        self._victims: dict[int, _Victim] = {}
+        log.warning("FAULT INJECTION is on (testing only): %s", "; ".join(map(str, self.plans)))
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def open_slot(self, spec: SessionSpec) -> int:
+        slot = self.inner.open_slot(spec)
+        plan = next((p for p in self.plans if p.persona in spec.persona), None)
+        if plan is not None:
+            self._victims[slot] = _Victim(plan)
+        else:
+            self._victims.pop(slot, None)
+        return slot
+
+    def close_slot(self, slot: int) -> None:
+        self._victims.pop(slot, None)
+        self.inner.close_slot(slot)
+
+    def restart_slot(self, slot: int) -> None:
+        victim = self._victims.get(slot)
+        if victim is not None and victim.restart_due:
+            victim.restart_due = False
+            self._fired(victim.plan, slot)
+            raise EngineError(f"injected fault: restart of slot {slot} failed")
+        self.inner.restart_slot(slot)
+
+    def step(self, slots: Sequence[int], pcm: np.ndarray) -> list[FrameOutput]:
+        firing = [(i, slot, self._victims[slot].plan) for i, slot in enumerate(slots)
+                  if slot in self._victims and self._victims[slot].step_fires()]
+        if not firing:
+            return self.inner.step(slots, pcm)
+        for _, slot, plan in firing:
+            self._fired(plan, slot)
+        modes = {plan.mode for *_, plan in firing}
+        if "hang" in modes:
+            time.sleep(max(plan.seconds for *_, plan in firing if plan.mode == "hang"))
+        if "batch" in modes:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected fault)")
+        if "restart" in modes:
+            for _, slot, plan in firing:
+                if plan.mode == "restart":
+                    self._victims[slot].restart_due = True
+        failing = [(i, slot) for i, slot, plan in firing if plan.mode in ("slot", "slot_early", "restart")]
+        if not failing:
+            return self.inner.step(slots, pcm)
+        bad = {slot for _, slot in failing}
+        if "slot_early" in modes:
+            raise SlotFault(f"injected fault before the step in slot(s) {sorted(bad)}", sorted(bad))
+        keep = [i for i, slot in enumerate(slots) if slot not in bad]
+        outputs: list[FrameOutput | None] = [None] * len(slots)
+        if keep:
+            for i, out in zip(keep, self.inner.step([slots[i] for i in keep], pcm[keep])):
+                outputs[i] = out
+        raise SlotFault(f"injected fault in slot(s) {sorted(bad)}", sorted(bad), outputs)
+
+    def _fired(self, plan: FaultPlan, slot: int) -> None:
+        self.injected += 1
+        log.warning("injected fault #%d: mode=%s slot=%d", self.injected, plan.mode, slot)
+
+
+def wrap_engine(engine: Engine, spec: str) -> FaultyEngine:
+    return FaultyEngine(engine, FaultPlan.parse_all(spec))

@@ -1,0 +1,68 @@
+"""The watchdog: notices an engine call (a tick, an open, a restart) that does not return.
+
+A hung GPU kernel or a deadlocked driver call leaves the engine thread blocked and every
+session silent, with no exception anywhere.  The watchdog runs on the event loop, reads the
+scheduler's ``busy`` marker a few times per deadline (two attribute reads: the tick itself
+pays nothing), and when one call has run past ``deadline_s`` it counts a stall, logs it,
+tells the callback (which warns the sessions), and reports itself in ``stalled`` until that
+call returns: ``/health`` is then 503, so an orchestrator can replace the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from .metrics import Metrics
+from .scheduler import EngineCall, TickScheduler
+
+log = logging.getLogger(__name__)
+
+
+class Watchdog:
+    def __init__(self, scheduler: TickScheduler, deadline_s: float, metrics: Metrics,
+                 on_stall: Callable[[EngineCall, float], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        # ``clock`` must be the scheduler's (both default to time.monotonic).
+        self.scheduler = scheduler
+        self.deadline_s = deadline_s
+        self._metrics = metrics
+        self._on_stall = on_stall
+        self._clock = clock
+        self._stalled: EngineCall | None = None
+
+    @property
+    def period_s(self) -> float:
+        return max(0.02, min(1.0, self.deadline_s / 4))
+
+    @property
+    def stalled(self) -> str | None:
+        """Why the engine counts as stalled now, or None."""
+        call = self._stalled
+        if call is None:
+            return None
+        return (f"engine stalled: a {call.kind} has been running for {self._clock() - call.since:.1f} s "
+                f"(deadline {self.deadline_s:g} s)")
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            self.check()
+
+    def check(self) -> None:
+        call = self.scheduler.busy
+        now = self._clock()
+        if call is not None and now - call.since > self.deadline_s:
+            if self._stalled is not call:
+                self._stalled = call
+                self._metrics.inc("tick_stalls")
+                log.error("watchdog: the engine thread is stuck in a %s (%d session(s)) for %.1f s, past the %g s "
+                          "deadline; /health reports unhealthy until it returns", call.kind, call.sessions,
+                          now - call.since, self.deadline_s)
+                self._on_stall(call, now - call.since)
+        elif self._stalled is not None:
+            log.warning("watchdog: the stalled %s returned after %.1f s; healthy again", self._stalled.kind,
+                        now - self._stalled.since)
+            self._stalled = None

@@ -1,0 +1,37 @@
+"""The GPU benchmark's CPU-side pieces: variant parsing and the tick-vs-B plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engines import bench_plot
+from engines.bench import BenchConfig
+
+RESULT = Path(__file__).resolve().parents[1] / "docs" / "results" / "2026-12-01-h200-bench-fp8-compile.json"
+
+
+def test_bench_configs_parse_and_reject_unknown_variants():
+    assert BenchConfig.parse("fp8+compile") == BenchConfig("fp8+compile", "fp8", True)
+    assert BenchConfig.parse("bf16") == BenchConfig("bf16", "auto", False)
+    for bad in ("fp16", "bf16+fast", "fp8+compile+x"):
+        with pytest.raises(ValueError, match="bad config"):
+            BenchConfig.parse(bad)
+
+
+def test_plot_of_a_recorded_report(tmp_path):
+    out = tmp_path / "tick.png"
+    assert bench_plot.main([str(RESULT), "--output", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    b, p50, p99 = bench_plot.series(json.loads(RESULT.read_text())["configs"]["bf16"]["ours"])
+    assert b == [1, 8, 32, 64] and all(a <= c for a, c in zip(p50, p99))  # rows that did not fit are skipped
+
+
+def test_plot_refuses_a_file_that_is_not_a_report(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("[1, 2]")
+    assert bench_plot.main([str(bad), "--output", str(tmp_path / "x.png")]) == 2
+    assert "not an engines.bench report" in capsys.readouterr().err
+    assert bench_plot.main([str(tmp_path / "missing.json"), "--output", str(tmp_path / "x.png")]) == 2

@@ -1,0 +1,177 @@
+"""Faults injected into the engine of a real server (``PERSONAPLEX_FAULT_INJECTION``): a step
+that fails for one session, one that fails before anything advanced, one that cannot say
+which session failed, a step that hangs past the watchdog deadline, and a context restart
+that fails.  Each time only the sessions concerned are failed, and the server goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from orchestrator.fault_injection import FaultPlan, FaultPlanError
+from tests.orch_support import Client, Server, f32_append, run, speech_frames
+
+PLANS = ("persona=FAULT-SLOT,mode=slot,after=6; persona=FAULT-EARLY,mode=slot_early,after=6; "
+         "persona=FAULT-BATCH,mode=batch,after=6; persona=FAULT-HANG,mode=hang,after=4,seconds=3; "
+         "persona=FAULT-RESTART,mode=restart,after=4")
+BYSTANDER = "You are a concise and helpful assistant."
+
+
+@pytest.fixture(scope="module")
+def faulty_server():
+    """Four sessions, greedy-friendly (no silence feeding), a 1 s watchdog, and a long batch
+    window so that sessions streaming together share their ticks."""
+    server = Server(max_sessions=4, silence_grace_s=0, batch_window_ms=500, watchdog_deadline_s=1.0,
+                    fault_injection=PLANS)
+    yield server
+    server.stop()
+    _assert_only_injected_failures(server.logs())
+
+
+def _assert_only_injected_failures(log: str) -> None:
+    """Every error the server logged comes from an injected fault or its consequences."""
+    expected = ("engine.step failed", "restart_slot(", "watchdog:", "injected")
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert errors, "the faults left no trace in the log"
+    unexplained = [line for line in errors if not any(word in line for word in expected)]
+    assert not unexplained, unexplained
+    raised = re.findall(r"^(\w[\w.]*(?:Error|Fault|Exception)): (.*)$", log, re.MULTILINE)
+    assert all("injected" in message for _, message in raised), raised
+
+
+async def open_session(server: Server, persona: str) -> Client:
+    client = await Client.connect(server.ws + "/v1/realtime?duplex=1")
+    await client.open(instructions=persona, temperature=0)
+    return client
+
+
+async def stream(clients: list[Client], frames) -> None:
+    """Send the frames to every client, interleaved (so their sessions share ticks)."""
+    for frame in frames:
+        for client in clients:
+            await client.send(f32_append(frame))
+
+
+async def victim_and_bystander(server: Server, persona: str, frames: int) -> tuple[Client, Client]:
+    """A session whose persona picks a fault plan and an ordinary one, streaming together."""
+    server.wait_free_slots(4)
+    victim = await open_session(server, persona)
+    bystander = await open_session(server, BYSTANDER)
+    await stream([victim, bystander], speech_frames(frames))
+    return victim, bystander
+
+
+@pytest.mark.parametrize("mode", ["slot", "slot_early"])
+def test_slot_fault_fails_only_its_session(faulty_server: Server, mode):
+    before = faulty_server.metric('personaplex_tick_failures_total{scope="slots"}')
+
+    async def scenario():
+        persona = f"FAULT-{'SLOT' if mode == 'slot' else 'EARLY'} persona"
+        victim, bystander = await victim_and_bystander(faulty_server, persona, 12)
+        error = await victim.next("error")
+        assert error["error"]["code"] == "engine_error" and error["error"]["type"] == "server_error"
+        assert "injected fault" in error["error"]["message"]
+        done = await victim.next("response.done")
+        assert done["response"]["status"] == "failed"
+        assert done["response"]["status_details"] == {"type": "failed", "reason": "engine_error"}
+        failed_id = done["response"]["id"]
+        # The bystander lost nothing: every frame, one response, no error.
+        await bystander.wait_audio_frames(12)
+        assert not [e for e in bystander.events if e["type"] == "error"]
+        assert len({d["response_id"] for d in bystander.audio()}) == 1
+        # The victim goes on in a fresh context (epoch 1, a new response).
+        await stream([victim], speech_frames(3, offset_s=3.0))
+        created = await victim.next("response.created")
+        assert created["response"]["id"] != failed_id
+        assert created["response"]["metadata"]["duplex_event"]["epoch"] == 1
+        await victim.wait_audio_frames(3, response_id=created["response"]["id"])
+        for client in (victim, bystander):
+            await client.send({"type": "session.close"})
+            assert (await client.wait_closed())[0] == 1000
+
+    run(scenario())
+    assert faulty_server.metric('personaplex_tick_failures_total{scope="slots"}') == before + 1
+    faulty_server.wait_free_slots(4)
+
+
+def test_unidentified_fault_fails_the_whole_tick_and_the_server_goes_on(faulty_server: Server):
+    async def scenario():
+        victim, bystander = await victim_and_bystander(faulty_server, "FAULT-BATCH persona", 10)
+        for client in (victim, bystander):
+            error = await client.next("error")
+            assert error["error"]["code"] == "engine_error"
+            assert "which session caused it is unknown" in error["error"]["message"]
+            assert (await client.next("response.done"))["response"]["status"] == "failed"
+        # Both restarted; both serve again.
+        await stream([victim, bystander], speech_frames(3, offset_s=4.0))
+        for client in (victim, bystander):
+            created = await client.next("response.created")
+            await client.wait_audio_frames(3, response_id=created["response"]["id"])
+            await client.close()
+
+    run(scenario())
+    assert faulty_server.metric('personaplex_tick_failures_total{scope="batch"}') >= 1
+    assert faulty_server.get("/health") == (200, {"status": "healthy"})
+    faulty_server.wait_free_slots(4)
+
+
+def test_stuck_tick_is_seen_by_the_watchdog(faulty_server: Server):
+    faulty_server.wait_free_slots(4)
+    stalls = faulty_server.metric("personaplex_tick_stalls_total")
+
+    async def scenario():
+        victim = await open_session(faulty_server, "FAULT-HANG persona")
+        await stream([victim], speech_frames(8))  # its 4th step sleeps 3 s
+        error = await victim.next("error", timeout=30)
+        assert error["error"]["code"] == "engine_stalled" and error["error"]["retryable"] is True
+        status, body = await asyncio.to_thread(faulty_server.get, "/health")
+        assert status == 503 and "engine stalled" in body["reason"], body
+        assert (await asyncio.to_thread(faulty_server.get, "/ready"))[0] == 503
+        # An open during the stall is refused, not left waiting behind the stuck engine.
+        late = await Client.connect(faulty_server.ws + "/v1/realtime")
+        await late.send({"type": "session.update", "session": {}})
+        refused = await late.next("error")
+        assert refused["error"]["code"] == "engine_stalled"
+        assert (await late.wait_closed())[0] == 1013
+        # The hang ends: every frame arrives after all, and the server is healthy again.
+        await victim.wait_audio_frames(8, timeout=60)
+        assert [e["error"]["code"] for e in victim.events if e["type"] == "error"] == ["engine_stalled"]
+        for _ in range(50):
+            if (await asyncio.to_thread(faulty_server.get, "/health"))[0] == 200:
+                break
+            await asyncio.sleep(0.1)
+        assert faulty_server.get("/health") == (200, {"status": "healthy"})
+        await victim.close()
+
+    run(scenario())
+    assert faulty_server.metric("personaplex_tick_stalls_total") == stalls + 1
+    assert faulty_server.metric("personaplex_engine_stalled") == 0
+    faulty_server.wait_free_slots(4)
+
+
+def test_failed_restart_closes_only_that_session(faulty_server: Server):
+    async def scenario():
+        victim, bystander = await victim_and_bystander(faulty_server, "FAULT-RESTART persona", 8)
+        closed = await victim.next("session.closed")
+        assert closed["reason"] == "engine_error"
+        codes = [e["error"]["code"] for e in victim.events if e["type"] == "error"]
+        assert codes == ["engine_error", "engine_error"], codes  # the step, then the restart
+        assert await victim.wait_closed() == (1011, "engine_error")
+        await bystander.wait_audio_frames(8)
+        assert not [e for e in bystander.events if e["type"] == "error"]
+        await bystander.close()
+
+    run(scenario())
+    faulty_server.wait_free_slots(4)  # the failed session's slot was released all the same
+
+
+def test_fault_plans_are_checked():
+    plans = FaultPlan.parse_all(PLANS)
+    assert [p.mode for p in plans] == ["slot", "slot_early", "batch", "hang", "restart"]
+    assert plans[3].seconds == 3.0 and plans[0].after == 6 and plans[0].times == 1
+    for bad in ("", "mode=slot", "persona=x,mode=explode", "persona=x,mode=slot,after=0", "persona=x,mode=slot,when=1",
+                "persona=x,mode=slot,after=soon", "persona"):
+        with pytest.raises(FaultPlanError):
+            FaultPlan.parse_all(bad)

@@ -1,0 +1,21 @@
+"""The short soak of CI (the long one: ``python -m tests.soak``, figures in
+docs/RELIABILITY.md): 4 sessions with churn for 30 s on a real server, then every slot,
+descriptor, thread and task is back and memory stayed flat."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.orch_support import SPEECH_WAV
+from tests.soak import run_soak
+
+
+def test_short_soak_leaks_nothing():
+    if not SPEECH_WAV.is_file():
+        pytest.skip(f"speech asset {SPEECH_WAV} is absent")
+    result = run_soak(30, 4, session_s=(3.0, 8.0), seed=7, sample_every_s=2.0, max_growth_mb=32.0)
+    assert result["totals"]["sessions_opened"] >= 8, result["totals"]  # churn happened
+    assert result["totals"]["cancels"] + sum(result["totals"]["endings"].values()) >= 8
+    failed = [name for name, ok in result["checks"].items() if not ok]
+    assert not failed, {"failed": failed, "totals": result["totals"], "memory": result["memory"],
+                        "idle_before": result["idle_before"], "idle_after": result["idle_after"]}
