@@ -10,7 +10,7 @@ from .modules.kv_ring import WindowMode
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "trtllm")
 
 
 def create_torch_engine(
@@ -20,6 +20,8 @@ def create_torch_engine(
     device: str = "cpu",
     window: str = WindowMode.REFERENCE,
     depformer_steps: int = 8,
+    kv_cache: str = "auto",
+    compile: str = "auto",
     **locate_overrides,
 ):
     """The PyTorch engine for ``checkpoint`` (``None``: the embedded tiny demo model).
@@ -37,7 +39,11 @@ def create_torch_engine(
         # The server and the CLIs each say how to point at real weights in their own terms.
         log.info("using the embedded tiny demo checkpoint (untrained) at %s", checkpoint)
     files = ckpt.locate(checkpoint, **locate_overrides)
-    options = EngineOptions(device=device, window=window, depformer_steps=depformer_steps)
+    # Compiled blocks pay off on a GPU (fewer kernels in the tick graph); on CPU the exact
+    # eager path is the reference.
+    compiled = compile == "on" or (compile == "auto" and device.startswith("cuda"))
+    options = EngineOptions(device=device, window=window, depformer_steps=depformer_steps, kv_cache=kv_cache,
+                            compile=compiled)
     return PersonaPlexEngine.from_files(files, max_slots, options, is_demo=is_demo)
 
 
@@ -48,10 +54,18 @@ def create_engine(
     device: str = "cpu",
     backend: str = "torch",
     window: str = WindowMode.REFERENCE,
+    kv_cache: str = "auto",
+    compile: str = "auto",
 ) -> Engine:
     """Load ``checkpoint`` (a local checkpoint directory) into an engine with ``max_slots``
     session slots.  ``None`` selects the embedded default: the deterministic tiny demo
     checkpoint, generated once into a cache directory."""
     if backend == "torch":
-        return create_torch_engine(checkpoint, max_slots=max_slots, device=device, window=window)
+        return create_torch_engine(checkpoint, max_slots=max_slots, device=device, window=window, kv_cache=kv_cache,
+                                   compile=compile)
+    if backend == "trtllm":
+        # ``checkpoint`` is then a build directory written by convert_checkpoint.py.
+        from .trtllm import create_trtllm_engine
+
+        return create_trtllm_engine(checkpoint, max_slots=max_slots, device=device, window=window, kv_cache=kv_cache)
     raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
