@@ -237,6 +237,11 @@ class PersonaPlexEngine:
         self._free.append(slot)
         self._free.sort()
 
+    def capture_graphs(self) -> None:
+        """Capture the tick graph of every batch bucket now (start-up), not on first use."""
+        if self.graphs is not None:
+            self.graphs.capture_all()
+
     def free_slots(self) -> int:
         return len(self._free)
 

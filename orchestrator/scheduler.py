@@ -294,6 +294,12 @@ class TickScheduler:
                 engine.step([slot], self._silence[None, :])
         finally:
             engine.close_slot(slot)
+        # A GPU engine captures (and compiles) its tick per batch size on first use: seconds
+        # that would stall every live session (and trip the watchdog) when the load first
+        # grows.  Pay them all here, before /ready.
+        capture = getattr(engine, "capture_graphs", None)
+        if capture is not None:
+            capture()
         log.info("warm-up: %d frames in %.0f ms", self._warmup_frames, (time.perf_counter() - start) * 1e3)
 
     def _next_action(self) -> tuple[Any, ...] | None:

@@ -128,3 +128,11 @@ def test_prefill_graph_replay_equals_the_eager_pass(tiny_checkpoint, no_tf32):
     assert sorted(graphs._graphs) == [16, cfg.context]
     # Longer than every bucket: no graph, the caller runs the eager pass.
     assert graphs.run(torch.zeros(cfg.context + 1, cfg.dim, device="cuda")) is None
+
+
+def test_capture_graphs_captures_every_bucket_up_front(tiny_checkpoint):
+    """The server calls this before /ready: a first tick at a new batch size must not pay a
+    capture (it took 14 s with compiled blocks on the H200 and tripped the watchdog)."""
+    engine = PersonaPlexEngine.from_files(ckpt.locate(tiny_checkpoint), 6, EngineOptions(device="cuda"))
+    engine.capture_graphs()
+    assert sorted(engine.graphs._graphs) == engine.graphs.buckets
