@@ -97,6 +97,23 @@ class _SlotSettings:
         self.seed[slot] = int(seed) & ((1 << 63) - 1)
         self.counter[slot] = 0
 
+    def batch(self, slots: torch.Tensor, text: bool) -> SamplingBatch:
+        """The settings of ``slots`` for a text (``text``) or audio stream."""
+        return SamplingBatch(
+            temperature=(self.temp_text if text else self.temp_audio)[slots],
+            top_k=(self.topk_text if text else self.topk_audio)[slots],
+            greedy=self.greedy[slots],
+        )
+
+    def sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
+        """Draw ``stream``'s tokens for ``slots`` with data-dependent shapes (no graph capture):
+        the noise is only drawn when some slot samples."""
+        batch = self.batch(slots, text)
+        noise = None
+        if not bool(batch.greedy.all()):
+            noise = exponential_noise(self.seed[slots], self.counter[slots], stream, logits.shape[-1])
+        return sample_tokens(logits, batch, noise)
+
 
 class PersonaPlexEngine:
     def __init__(
@@ -341,18 +358,11 @@ class PersonaPlexEngine:
 
     def _sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
         st = self.settings
-        batch = SamplingBatch(
-            temperature=(st.temp_text if text else st.temp_audio)[slots],
-            top_k=(st.topk_text if text else st.topk_audio)[slots],
-            greedy=st.greedy[slots],
-        )
-        if self._static_sampling:
-            noise = self._noise(st.seed[slots], st.counter[slots], self._salts[stream], logits.shape[-1])
-            return self._sample_static(logits, batch.temperature, batch.top_k, batch.greedy, noise)
-        noise = None
-        if not bool(batch.greedy.all()):
-            noise = exponential_noise(st.seed[slots], st.counter[slots], stream, logits.shape[-1])
-        return sample_tokens(logits, batch, noise)
+        if not self._static_sampling:
+            return st.sample(slots, stream, logits, text)
+        batch = st.batch(slots, text)
+        noise = self._noise(st.seed[slots], st.counter[slots], self._salts[stream], logits.shape[-1])
+        return self._sample_static(logits, batch.temperature, batch.top_k, batch.greedy, noise)
 
     def _install(self, slot: int, prefill: Prefill) -> None:
         self._reset(slot)

@@ -35,7 +35,6 @@ from ..lm import MoshiLM
 from ..mimi import MimiCodec
 from ..modules.kv_ring import WindowMode
 from ..prefill import PrefillCache, plan_prompt, prompt_embeddings
-from ..sampling import SamplingBatch, exponential_noise, sample_tokens
 from ..token_state import TokenState
 from ..tokenizer import TextTokenizer
 from ..voices import VoiceStore
@@ -206,13 +205,7 @@ class TrtllmEngine:
         return self.tokens.end_call(idx, text, audio, live=True)
 
     def _sample(self, idx: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
-        st = self.settings
-        batch = SamplingBatch(temperature=(st.temp_text if text else st.temp_audio)[idx],
-                              top_k=(st.topk_text if text else st.topk_audio)[idx], greedy=st.greedy[idx])
-        noise = None
-        if not bool(batch.greedy.all()):
-            noise = exponential_noise(st.seed[idx], st.counter[idx], stream, logits.shape[-1])
-        return sample_tokens(logits, batch, noise)
+        return self.settings.sample(idx, stream, logits, text)
 
     # Slots ------------------------------------------------------------------------------------------
     def _install(self, slot: int, prefill: StoredPrefill) -> None:
