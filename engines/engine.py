@@ -115,6 +115,19 @@ class _SlotSettings:
         return sample_tokens(logits, batch, noise)
 
 
+# Compiled variants one engine keeps per function: a size-1 and a dynamic batch, per module
+# instance (the encoder and decoder share SEANet's code), per device (one engine per GPU).
+COMPILED_VARIANTS = 64
+
+
+def _allow_compiled_variants() -> None:
+    """Raise dynamo's per-function variant limit (8 by default): past it a function quietly
+    falls back to eager, which a server with one engine per GPU would reach."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, COMPILED_VARIANTS)
+
+
 class PersonaPlexEngine:
     def __init__(
         self,
@@ -156,7 +169,9 @@ class PersonaPlexEngine:
         # Per-stream hash salts as device scalars: a graph-safe, compile-friendly argument.
         self._salts = torch.tensor([stream_salt(k) for k in range(cfg.num_streams)], device=self.device)
         if options.compile:
+            _allow_compiled_variants()
             lm.compile_blocks()
+            mimi.compile_steps()
             self.kv.compile_quantizer()
             self._noise = torch.compile(exponential_noise, dynamic=True, fullgraph=True)
             self._sample_static = torch.compile(_sample_static, dynamic=True)
@@ -265,6 +280,7 @@ class PersonaPlexEngine:
     def step(self, slots: Sequence[int], pcm: np.ndarray) -> list[FrameOutput]:
         if len(slots) == 0:
             return []
+        self.clock.host_start()
         pcm = np.asarray(pcm, dtype=np.float32)
         if pcm.shape != (len(slots), FRAME_SAMPLES):
             raise ValueError(f"pcm must have shape ({len(slots)}, {FRAME_SAMPLES}), got {pcm.shape}")
@@ -281,7 +297,9 @@ class PersonaPlexEngine:
                 agent_pcm, text = self.live_tick(idx, torch.from_numpy(pcm).to(self.device))
             text_ids = text.tolist()  # the tick's one host synchronisation
             audio = agent_pcm.float().cpu().numpy()
-        return [FrameOutput(audio[i], t, self.tokenizer.transcript_piece(t)) for i, t in enumerate(text_ids)]
+        outputs = [FrameOutput(audio[i], t, self.tokenizer.transcript_piece(t)) for i, t in enumerate(text_ids)]
+        self.clock.host_mark("outputs")
+        return outputs
 
     def live_tick(self, slots: torch.Tensor, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode -> LM -> depformer -> decode for live ``slots`` [B] with ``pcm`` [B, 1920].

@@ -2,10 +2,13 @@
 
 ``StageClock.mark(name)`` records a CUDA event after the work queued so far; nothing is
 synchronised until ``durations_ms`` is read, so timing does not change what it measures
-(beyond the events themselves).  Disabled, ``mark`` is a no-op.
+(beyond the events themselves).  ``host_mark(name)`` does the same with the host's clock,
+to see where wall time outside the GPU's goes.  Disabled, both are no-ops.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -14,10 +17,23 @@ class StageClock:
     def __init__(self) -> None:
         self.enabled = False
         self._marks: list[tuple[str, torch.cuda.Event]] = []
+        self._host: list[tuple[str, float]] = []
 
     def start(self) -> None:
         self._marks = []
         self.mark("start")
+
+    def host_start(self) -> None:
+        self._host = []
+        self.host_mark("start")
+
+    def host_mark(self, name: str) -> None:
+        if self.enabled:
+            self._host.append((name, time.perf_counter()))
+
+    def host_durations_ms(self) -> dict[str, float]:
+        """Host milliseconds between consecutive ``host_mark``s, keyed by the later name."""
+        return {name: (t1 - t0) * 1e3 for (_, t0), (name, t1) in zip(self._host, self._host[1:])}
 
     def mark(self, name: str) -> None:
         if not self.enabled:

@@ -6,7 +6,8 @@ One query token per slot attends to the keys of its own slot in the shared ring 
 absolute positions ``max(lo, 0) .. q_pos`` (a contiguous run of positions, so a contiguous
 run of ring indices modulo the capacity), which covers both window modes of
 ``engines.modules.kv_ring``.  The window is split across programs (flash-decoding) so a
-single session still fills the GPU; a second small kernel merges the partial softmaxes.
+single session still fills the GPU; a second small kernel merges the partial softmaxes
+(one launch, where the same merge in PyTorch ops took eight).
 
 With an fp8 cache (``scales`` given) keys and values are float8 e4m3 with one float32 scale
 per (position, head): the kernel folds the key scale into the score and the value scale
@@ -50,9 +51,14 @@ if triton is not None:
         q_pos = tl.load(QPos + b)
         # Positions older than the ring's capacity are no longer held, whatever lo says.
         lo = tl.maximum(tl.maximum(tl.load(Lo + b), q_pos - capacity + 1), 0)
-        count = q_pos - lo + 1
+        count = (q_pos - lo + 1).to(tl.int32)
+        # Ring index of the first visible position; later ones wrap at most once.  One
+        # 64-bit modulo per program instead of one per position.
+        first = (lo % capacity).to(tl.int32)
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + b * stride_qb + h * stride_qh + d).to(tl.float32) * sm_scale
+        # 64-bit only for the (slot, head) base; offsets inside one head's ring fit in
+        # 32 bits, which keeps the per-element address arithmetic cheap.
         k_base = K + slot * stride_ks + h * stride_kh
         v_base = V + slot * stride_vs + h * stride_vh
         # Key and value scales share one layout [slots, heads, capacity].
@@ -64,7 +70,8 @@ if triton is not None:
         for n0 in tl.range(sp * SPLIT, (sp + 1) * SPLIT, BLOCK_N, num_stages=NUM_STAGES):
             n = n0 + tl.arange(0, BLOCK_N)
             valid = n < count
-            ring = ((lo + n) % capacity).to(tl.int64)
+            ring = first + n
+            ring = tl.where(ring >= capacity, ring - capacity, ring)
             k = tl.load(k_base + ring[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0.0)
             s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
             if SCALED:
@@ -86,17 +93,49 @@ if triton is not None:
         tl.store(Sum + b * stride_mb + h * stride_mh + sp, l_i)
 
 
-# Tuned on the H200 with engines.gpu.bench_attention (see docs/PERFORMANCE.md).
+    @triton.jit
+    def _merge_kernel(
+        Acc, Max, Sum, Out,
+        stride_ab, stride_ah, stride_as,
+        stride_mb, stride_mh,
+        stride_ob, stride_oh,
+        n_split,
+        HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+    ):
+        """Combine the per-split partial softmaxes of one (query, head) into the output."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, SPLITS)
+        live = sp < n_split
+        m = tl.load(Max + b * stride_mb + h * stride_mh + sp, mask=live, other=float("-inf"))
+        l = tl.load(Sum + b * stride_mb + h * stride_mh + sp, mask=live, other=0.0)
+        m_all = tl.max(m, axis=0)
+        # A split that saw no visible key has m = -inf and contributes nothing.
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
+        d = tl.arange(0, HEAD_DIM)
+        acc = tl.load(Acc + b * stride_ab + h * stride_ah + sp[:, None] * stride_as + d[None, :],
+                      mask=live[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+# Tuned on the H200 with engines.gpu.bench_attention (see docs/PERFORMANCE.md): fp8 rows
+# are half the bytes, so a block of twice the positions keeps as many bytes in flight.
 BLOCK_N = 128
+BLOCK_N_FP8 = 256
 NUM_WARPS = 4
 NUM_STAGES = 2
-MIN_SPLITS = 4
 PROGRAMS_PER_SM = 4
+# Below this many (query, head) rows the window is split in at least two, above it one
+# program per row already fills the GPU many times over.
+MANY_ROWS = 4096
 
 
-def _split_size(capacity: int, batch_heads: int, device: torch.device, block: int, min_splits: int) -> int:
+def _split_size(capacity: int, batch_heads: int, device: torch.device, block: int, min_splits: int | None) -> int:
     """Positions per program: enough programs to fill every SM a few times over."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if min_splits is None:
+        min_splits = 1 if batch_heads >= MANY_ROWS else 2
     splits = max(min_splits, min(64, math.ceil(PROGRAMS_PER_SM * sms / max(batch_heads, 1))))
     return max(block, math.ceil(math.ceil(capacity / splits) / block) * block)
 
@@ -123,8 +162,10 @@ def decode_attention(
     """
     B, H, D = q.shape
     C = keys.shape[2]
-    block_n = block_n or BLOCK_N
-    split = _split_size(C, B * H, q.device, block_n, min_splits or MIN_SPLITS)
+    # The kernel indexes these per query row: a broadcast view (stride 0) would be misread.
+    slots, q_pos, lo = slots.contiguous(), q_pos.contiguous(), lo.contiguous()
+    block_n = block_n or (BLOCK_N_FP8 if scales is not None else BLOCK_N)
+    split = _split_size(C, B * H, q.device, block_n, min_splits)
     n_split = math.ceil(C / split)
     acc = torch.empty(B, H, n_split, D, device=q.device, dtype=torch.float32)
     mx = torch.empty(B, H, n_split, device=q.device, dtype=torch.float32)
@@ -144,12 +185,33 @@ def decode_attention(
         HEAD_DIM=D, BLOCK_N=block_n, SPLIT=split, NUM_STAGES=num_stages or NUM_STAGES,
         SCALED=scales is not None, num_warps=num_warps or NUM_WARPS,
     )
-    # Merge the partial softmaxes (tiny tensors; plain torch ops are graph-safe).
-    m = mx.amax(dim=2, keepdim=True)
-    w = torch.where(torch.isinf(mx), torch.zeros_like(mx), torch.exp(mx - m))
-    out = (acc * w.unsqueeze(-1)).sum(2) / (sm * w).sum(2, keepdim=True)
-    return out.to(q.dtype)
+    out = torch.empty_like(q)
+    _merge_kernel[(B, H)](
+        acc, mx, sm, out,
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        mx.stride(0), mx.stride(1),
+        out.stride(0), out.stride(1),
+        n_split,
+        HEAD_DIM=D, SPLITS=triton.next_power_of_2(n_split), num_warps=1,
+    )
+    return out
 
 
 def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+    # The same kernel as an opaque operator, so torch.compile'd code can call it (dynamo
+    # would otherwise trace into the launch, whose split size depends on the batch).
+
+    @torch.library.custom_op("personaplex::decode_attention", mutates_args=())
+    def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                            q_pos: torch.Tensor, lo: torch.Tensor, k_scale: torch.Tensor | None,
+                            v_scale: torch.Tensor | None) -> torch.Tensor:
+        scales = None if k_scale is None else (k_scale, v_scale)
+        return decode_attention(q, keys, values, slots, q_pos, lo, scales=scales)
+
+    @decode_attention_op.register_fake
+    def _decode_attention_shape(q, keys, values, slots, q_pos, lo, k_scale, v_scale):
+        return torch.empty_like(q)

@@ -34,7 +34,10 @@ class TickGraphs:
         self.buckets = sorted({b for b in buckets if b < engine.num_slots} | {engine.num_slots})
         self._graphs: dict[int, _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        # Pinned staging buffers: the per-tick uploads are true async copies, with no
+        # allocation on the tick path.
         self._host_pcm = torch.empty((max(self.buckets), 1920), dtype=torch.float32).pin_memory()
+        self._host_slots = torch.empty(max(self.buckets), dtype=torch.long).pin_memory()
 
     def bucket_for(self, batch: int) -> int:
         for b in self.buckets:
@@ -71,7 +74,10 @@ class TickGraphs:
                         engine.live_tick(slots, pcm)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
+                # thread_local: the server drives one engine per GPU, each from its own thread;
+                # the default (global) mode would fail this capture whenever another engine's
+                # thread makes an unsafe CUDA call (a sync, an allocation) meanwhile.
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                     out_pcm, out_text = engine.live_tick(slots, pcm)
         finally:
             engine.clock.enabled = clock_enabled
@@ -80,16 +86,24 @@ class TickGraphs:
 
     def run(self, slots: list[int], pcm: np.ndarray) -> tuple[np.ndarray, list[int]]:
         B = len(slots)
+        clock = self.engine.clock
         g = self._get(self.bucket_for(B))
         bucket = g.slots.shape[0]
-        ids = slots + [self.engine.scratch] * (bucket - B)
+        host_slots = self._host_slots[:bucket]
+        host_slots.numpy()[:B] = slots
+        host_slots[B:] = self.engine.scratch
         host = self._host_pcm[:bucket]
         host[:B] = torch.from_numpy(pcm)
         host[B:] = 0
-        g.slots.copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+        g.slots.copy_(host_slots, non_blocking=True)
         g.pcm.copy_(host, non_blocking=True)
-        self.engine.clock.start()
+        clock.host_mark("inputs")
+        clock.start()
         g.graph.replay()
-        self.engine.clock.mark("tick")
+        clock.mark("tick")
+        clock.host_mark("launch")
         text = g.out_text[:B].tolist()  # the one host synchronisation of the tick
-        return g.out_pcm[:B].float().cpu().numpy(), text
+        clock.host_mark("wait")
+        pcm_out = g.out_pcm[:B].float().cpu().numpy()
+        clock.host_mark("copy_out")
+        return pcm_out, text

@@ -79,7 +79,8 @@ class PrefillGraphs:
             torch.cuda.current_stream().wait_stream(side)
             self.kv.reset(self._slot)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: other GPUs' engine threads run on meanwhile (graphs.py says why).
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 keys, values = self._pass(x)
         log.info("captured the prefill graph for prompts of up to %d positions", bucket)
         return _PrefillGraph(graph, x, keys, values)

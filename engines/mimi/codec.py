@@ -70,6 +70,23 @@ class MimiCodec(nn.Module):
         self.decoder_transformer = MimiTransformer(cfg.transformer, num_slots, window, "decoder_transformer", **kw)
         self.decoder = SeanetDecoder(cfg.seanet, num_slots, **kw)
 
+    def compile_steps(self) -> None:
+        """``torch.compile`` the pieces of the streaming steps (GPU fast path).
+
+        Eagerly a step is hundreds of small kernels (state gathers and scatters, layout
+        changes, norms, ELUs around each convolution); compiled, inductor fuses them around
+        the convolutions and GEMMs.  The transformers' KV rings stay outside the compiled
+        code: a ring written inside it would be functionalised into a copy of every slot's
+        ring per call (1 GB each at 129 slots), while the SEANet states are small.
+        Dynamic shapes: one compilation serves every batch bucket.  The CPU reference
+        path never calls this (its batch-invariant kernels are not traceable).
+        """
+        for part in (self.encoder, self.decoder):
+            part.compile_streaming()
+        for part in (self.encoder_transformer, self.decoder_transformer):
+            part.compile_layers()
+        self.quantizer.compile_streaming()
+
     # Loading ---------------------------------------------------------------------------
     @classmethod
     def from_state_dict(cls, cfg: MimiConfig, state_dict: Mapping[str, torch.Tensor], num_slots: int,

@@ -35,6 +35,13 @@ class SplitQuantizer(nn.Module):
         self.rest_out_proj = param(cfg.output_dimension, cfg.dimension, 1)
         # codebooks[0] is the semantic one, codebooks[k] the acoustic level k.
         self.codebooks = param(num_codebooks, cfg.bins, cfg.dimension)
+        self._encode_streaming = self._encode
+        self._decode_streaming = self._decode
+
+    def compile_streaming(self) -> None:
+        """Compile the streaming (batch-invariant) encode and decode (GPU fast path)."""
+        self._encode_streaming = torch.compile(self._encode, dynamic=True, fullgraph=True)
+        self._decode_streaming = torch.compile(self._decode, dynamic=True, fullgraph=True)
 
     def load(self, ckpt: CheckpointTensors, prefix: str = "quantizer") -> None:
         for half in ("first", "rest"):
@@ -51,6 +58,9 @@ class SplitQuantizer(nn.Module):
 
     def encode(self, latent: torch.Tensor, batch_invariant: bool = True) -> torch.Tensor:
         """[B, input_dimension, T] -> codes [B, num_codebooks, T]."""
+        return self._encode_streaming(latent) if batch_invariant else self._encode(latent, False)
+
+    def _encode(self, latent: torch.Tensor, batch_invariant: bool = True) -> torch.Tensor:
         def project(weight: torch.Tensor) -> torch.Tensor:  # -> [B, T, dim]
             return ops.conv1d(latent, weight, None, batch_invariant=batch_invariant).transpose(1, 2)
 
@@ -65,6 +75,9 @@ class SplitQuantizer(nn.Module):
 
     def decode(self, codes: torch.Tensor, batch_invariant: bool = True) -> torch.Tensor:
         """codes [B, num_codebooks, T] -> [B, output_dimension, T]."""
+        return self._decode_streaming(codes) if batch_invariant else self._decode(codes, False)
+
+    def _decode(self, codes: torch.Tensor, batch_invariant: bool = True) -> torch.Tensor:
         def project(vectors: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [B, T, dim] -> [B, D, T]
             return ops.conv1d(vectors.transpose(1, 2), weight, None, batch_invariant=batch_invariant)
 

@@ -43,6 +43,11 @@ class _Stack(nn.Module):
         self.elu_first: list[bool] = []
         self.ckpt_index: list[int] = []
         self._next_index = 0
+        self._streaming = self._run
+
+    def compile_streaming(self) -> None:
+        """Compile the streaming pass (GPU fast path; see ``MimiCodec.compile_steps``)."""
+        self._streaming = torch.compile(self._run, dynamic=True, fullgraph=True)
 
     def _add(self, layer: nn.Module, elu_first: bool = False) -> None:
         if elu_first:
@@ -63,6 +68,9 @@ class _Stack(nn.Module):
                 layer.load(ckpt, prefix)
 
     def forward(self, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        return self._run(x) if slots is None else self._streaming(x, slots)
+
+    def _run(self, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         for layer, elu_first in zip(self.layers, self.elu_first):
             x = layer(F.elu(x) if elu_first else x, slots)
         return x

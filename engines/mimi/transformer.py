@@ -64,16 +64,31 @@ class TransformerLayer(nn.Module):
             param = getattr(self, attr)
             copy_into(param, ckpt.take(key, param.shape, aliases))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
-        B, T, D = x.shape
-        H = self.num_heads
-        h = F.layer_norm(x, (D,), self.norm1_weight, self.norm1_bias, LAYER_NORM_EPS)
-        q, k, v = ops.linear(h, self.in_proj).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
-        q, k = rotate(q, rope), rotate(k, rope)
-        attended = attend(q, k, v).transpose(1, 2).reshape(B, T, D)
-        x = x + self.layer_scale_1 * ops.linear(attended, self.out_proj)
-        h = F.layer_norm(x, (D,), self.norm2_weight, self.norm2_bias, LAYER_NORM_EPS)
-        return x + self.layer_scale_2 * ops.linear(F.gelu(ops.linear(h, self.linear1)), self.linear2)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend,
+                halves: "LayerHalves | None" = None) -> torch.Tensor:
+        attention_input, attention_output_ffn = halves or (_attention_input, _attention_output_ffn)
+        q, k, v = attention_input(x, self.norm1_weight, self.norm1_bias, self.in_proj, self.num_heads, rope)
+        return attention_output_ffn(x, attend(q, k, v), self.out_proj, self.layer_scale_1, self.norm2_weight,
+                                    self.norm2_bias, self.linear1, self.linear2, self.layer_scale_2)
+
+
+# A layer's two halves around its attention, as free functions of their weights so one
+# compiled version serves every layer (``MimiTransformer.compile_layers``).
+def _attention_input(x, norm_w, norm_b, in_proj, heads: int, rope):
+    B, T, D = x.shape
+    h = F.layer_norm(x, (D,), norm_w, norm_b, LAYER_NORM_EPS)
+    q, k, v = ops.linear(h, in_proj).view(B, T, 3, heads, D // heads).permute(2, 0, 3, 1, 4)
+    return rotate(q, rope), rotate(k, rope), v
+
+
+def _attention_output_ffn(x, attended, out_proj, scale_1, norm_w, norm_b, linear1, linear2, scale_2):
+    B, T, D = x.shape
+    x = x + scale_1 * ops.linear(attended.transpose(1, 2).reshape(B, T, D), out_proj)
+    h = F.layer_norm(x, (D,), norm_w, norm_b, LAYER_NORM_EPS)
+    return x + scale_2 * ops.linear(F.gelu(ops.linear(h, linear1)), linear2)
+
+
+LayerHalves = tuple[Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]], Callable[..., torch.Tensor]]
 
 
 class MimiTransformer(nn.Module):
@@ -90,6 +105,13 @@ class MimiTransformer(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(cfg, device, dtype) for _ in range(cfg.num_layers))
         self.ring = SlotKVRing(cfg.num_layers, num_slots, cfg.num_heads, cfg.context,
                                cfg.d_model // cfg.num_heads, device=device, dtype=dtype)
+        self._streaming_halves: LayerHalves | None = None
+
+    def compile_layers(self) -> None:
+        """Compile the layer halves of the streaming step (GPU fast path; the KV ring's
+        writes and the attention between them stay eager, see ``MimiCodec.compile_steps``)."""
+        self._streaming_halves = (torch.compile(_attention_input, dynamic=True, fullgraph=True),
+                                  torch.compile(_attention_output_ffn, dynamic=True, fullgraph=True))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for ``positions``, computed once and shared by every layer."""
@@ -114,7 +136,7 @@ class MimiTransformer(nn.Module):
         for i, layer in enumerate(self.layers):
             def attend(q, k, v, i=i):
                 return self.ring.attend(i, slots, q, k, v, positions, lo)
-            x = layer(x, rope, attend)
+            x = layer(x, rope, attend, self._streaming_halves)
         self.ring.advance(slots, T)
         return x
 

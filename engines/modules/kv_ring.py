@@ -53,6 +53,10 @@ def window_start(positions: torch.Tensor, call_end: torch.Tensor, capacity: int,
     raise ValueError(f"unknown window mode {mode!r}")
 
 
+# Streaming calls of up to this many tokens attend with the GPU decode kernel (one kernel
+# row per query); longer ones (prefill chunks) gather the window once instead.
+DECODE_MAX_TOKENS = 4
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 
@@ -150,16 +154,22 @@ class SlotKVRing:
         attention needs only this call's keys (a prefill skips reading the whole ring).
         Does not advance ``length``: call ``advance`` once after the last layer.
         """
-        B, T = k.shape[0], k.shape[2]
+        B, H, T, D = k.shape
         C = self.capacity
-        if T == 1 and not fresh and gpu_attention.available(q.device):
-            # Decode step on a GPU: read each slot's window in place instead of gathering it.
-            ring_idx = torch.remainder(positions[:, 0], C)
-            self._store(layer, slots, ring_idx, k[:, :, 0], v[:, :, 0])
-            scales = (self.key_scales[layer], self.value_scales[layer]) if self.fp8 else None
-            out = gpu_attention.decode_attention(q[:, :, 0], self.keys[layer], self.values[layer], slots,
-                                                 positions[:, 0], lo.reshape(B, -1)[:, 0], scales=scales)
-            return out.unsqueeze(2)
+        if T <= DECODE_MAX_TOKENS and T <= C and not fresh and gpu_attention.available(q.device):
+            # Streaming step on a GPU (the LM's 1 token, Mimi's 2): write the keys, then
+            # read each slot's window in place instead of gathering it; each query is one
+            # row of the kernel.  Ring entries older than the call's first write still hold
+            # positions >= end - C only, so no query may reach below that.
+            self._store_newest(layer, slots, positions, k, v)
+            floor = positions[:, -1:] + 1 - C
+            lo = torch.maximum(lo.reshape(B, -1).expand(B, T), floor)
+            rows = slots.repeat_interleave(T)
+            k_scale, v_scale = (self.key_scales[layer], self.value_scales[layer]) if self.fp8 else (None, None)
+            out = gpu_attention.decode_attention_op(q.transpose(1, 2).reshape(B * T, H, D), self.keys[layer],
+                                                    self.values[layer], rows, positions.reshape(-1),
+                                                    lo.reshape(-1), k_scale, v_scale)
+            return out.view(B, T, H, D).transpose(1, 2)
         if fresh:
             keys, values, key_pos = k, v, positions
             self._store_newest(layer, slots, positions, k, v)
