@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -35,9 +36,10 @@ from .engine import EngineOptions, PersonaPlexEngine
 from .interface import SamplingParams, SessionSpec
 from .lm import MoshiLM
 from .mimi import MimiCodec
+from .modules.kv_ring import WindowMode
 from .prefill import Prefill, build_prefill
 from .tokenizer import TextTokenizer
-from .voices import VoicePrompt, VoiceStore
+from .voices import VoicePrompt, VoiceStore, random_voice_data
 
 log = logging.getLogger("engines.bench")
 
@@ -68,24 +70,29 @@ def random_mimi(cfg: MimiConfig, num_slots: int, device: torch.device, seed: int
 
 def build_random_engine(num_slots: int, device: str, tokenizer_path: Path, steps: int = 8,
                         lm_cfg: LMConfig = LMConfig(), mimi_cfg: MimiConfig = MimiConfig(),
-                        cuda_graphs: bool = True, kv_cache: str = "auto", compile: bool = False) -> PersonaPlexEngine:
+                        cuda_graphs: bool = True, kv_cache: str = "auto", compile: bool = False,
+                        window: str = WindowMode.REFERENCE, voice_names: Sequence[str] = (),
+                        model_name: str = "random-7b-shapes", is_demo: bool = False) -> PersonaPlexEngine:
+    """An engine with random weights at ``lm_cfg`` / ``mimi_cfg`` shapes (the benchmark's, and
+    the server's ``PERSONAPLEX_CHECKPOINT=random:...``); ``voice_names`` get random prompts of
+    the real format."""
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     lm = random_lm(lm_cfg, steps, dev, dtype)
     mimi = random_mimi(mimi_cfg, num_slots + 1, dev)
     voices = VoiceStore(None, None, None, lm_cfg.dim, lm_cfg.num_streams)
+    for i, name in enumerate(voice_names):
+        voices.register(name, random_voice_data(lm_cfg.dim, lm_cfg.initial_tokens(), seed=100 + i))
     return PersonaPlexEngine(lm, mimi, TextTokenizer(tokenizer_path), voices, num_slots,
-                             EngineOptions(device=device, depformer_steps=steps, cuda_graphs=cuda_graphs,
-                                           kv_cache=kv_cache, compile=compile),
-                             model_name="random-7b-shapes")
+                             EngineOptions(device=device, window=window, depformer_steps=steps,
+                                           cuda_graphs=cuda_graphs, kv_cache=kv_cache, compile=compile),
+                             model_name=model_name, is_demo=is_demo)
 
 
 def typical_voice(cfg: LMConfig, frames: int = 60, seed: int = 2) -> VoicePrompt:
     """A voice prompt of the real format: ``frames`` frames of random embeddings."""
-    gen = torch.Generator().manual_seed(seed)
-    emb = torch.randn(frames - 1, cfg.dim, generator=gen) * 0.02
-    cache = torch.tensor(cfg.initial_tokens()).view(-1, 1).repeat(1, 4)
-    return VoicePrompt("bench.pt", emb, cache)
+    data = random_voice_data(cfg.dim, cfg.initial_tokens(), frames, seed)
+    return VoicePrompt("bench.pt", data["embeddings"], data["cache"])
 
 
 def full_window_prefill(engine: PersonaPlexEngine, base: Prefill) -> Prefill:
@@ -127,7 +134,7 @@ def _bench_one(engine: PersonaPlexEngine, B: int, spec: SessionSpec, ticks: int,
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     slots = [engine.open_slot(spec, prefill=prefill) for _ in range(B)]
-    totals, stages = [], {}
+    totals, stages, host = [], {}, {}
     for t in range(warmup + ticks):
         start = (t * FRAME_SAMPLES) % (speech.shape[0] - FRAME_SAMPLES)
         pcm = np.repeat(speech[None, start : start + FRAME_SAMPLES], B, axis=0)
@@ -139,6 +146,8 @@ def _bench_one(engine: PersonaPlexEngine, B: int, spec: SessionSpec, ticks: int,
             totals.append(elapsed)
             for name, ms in engine.clock.durations_ms().items():
                 stages.setdefault(name, []).append(ms)
+            for name, ms in engine.clock.host_durations_ms().items():
+                host.setdefault(name, []).append(ms)
     engine.clock.enabled = False
     row = {
         "batch": B,
@@ -146,6 +155,10 @@ def _bench_one(engine: PersonaPlexEngine, B: int, spec: SessionSpec, ticks: int,
         "tick_ms_p99": _percentile(totals, 99),
         "stages_ms_p50": {k: _percentile(v, 50) for k, v in stages.items()},
         "stages_ms_p99": {k: _percentile(v, 99) for k, v in stages.items()},
+        # Host wall time per phase of engine.step (inputs, launch, wait for the GPU, copy out,
+        # building the outputs): where the time outside the GPU's goes.
+        "host_ms_p50": {k: _percentile(v, 50) for k, v in host.items()},
+        "host_ms_p99": {k: _percentile(v, 99) for k, v in host.items()},
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
         "ticks": len(totals),
     }

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .interface import Engine
 from .modules.kv_ring import WindowMode
+from .random_weights import create_random_engine, random_model_name
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +40,32 @@ def create_torch_engine(
         # The server and the CLIs each say how to point at real weights in their own terms.
         log.info("using the embedded tiny demo checkpoint (untrained) at %s", checkpoint)
     files = ckpt.locate(checkpoint, **locate_overrides)
+    options = EngineOptions(device=device, window=window, depformer_steps=depformer_steps, kv_cache=kv_cache,
+                            compile=_compile_enabled(compile, device))
+    return PersonaPlexEngine.from_files(files, max_slots, options, is_demo=is_demo)
+
+
+def _compile_enabled(compile: str, device: str) -> bool:
     # Compiled blocks pay off on a GPU (fewer kernels in the tick graph); on CPU the exact
     # eager path is the reference.
-    compiled = compile == "on" or (compile == "auto" and device.startswith("cuda"))
-    options = EngineOptions(device=device, window=window, depformer_steps=depformer_steps, kv_cache=kv_cache,
-                            compile=compiled)
-    return PersonaPlexEngine.from_files(files, max_slots, options, is_demo=is_demo)
+    return compile == "on" or (compile == "auto" and device.startswith("cuda"))
+
+
+def _bind_thread_to(device: str) -> None:
+    """Make ``device`` the calling thread's current CUDA device.
+
+    The engine's side streams, CUDA graph captures and Triton kernels use the *current*
+    device, which is per thread and defaults to cuda:0: an engine on cuda:1 built or driven
+    from a thread left on cuda:0 would launch its work on the wrong GPU.  The caller drives
+    the engine from this same thread (the server's scheduler does: one thread per engine).
+    """
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    index = torch.device(device).index
+    if index is not None:
+        torch.cuda.set_device(index)
 
 
 def create_engine(
@@ -59,7 +80,18 @@ def create_engine(
 ) -> Engine:
     """Load ``checkpoint`` (a local checkpoint directory) into an engine with ``max_slots``
     session slots.  ``None`` selects the embedded default: the deterministic tiny demo
-    checkpoint, generated once into a cache directory."""
+    checkpoint, generated once into a cache directory; ``random:<model>`` random weights at
+    that model's shapes (``engines/random_weights.py``).
+
+    On CUDA the calling thread's current device becomes ``device``: drive the engine from
+    this thread."""
+    _bind_thread_to(device)
+    random_model = random_model_name(checkpoint)
+    if random_model is not None:
+        if backend != "torch":
+            raise ValueError(f"random weights ({checkpoint}) need the torch backend, not {backend!r}")
+        return create_random_engine(random_model, max_slots=max_slots, device=device, window=window,
+                                    kv_cache=kv_cache, compile=_compile_enabled(compile, device))
     if backend == "torch":
         return create_torch_engine(checkpoint, max_slots=max_slots, device=device, window=window, kv_cache=kv_cache,
                                    compile=compile)

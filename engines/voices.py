@@ -16,6 +16,7 @@ import tarfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -67,6 +68,17 @@ def parse_voice_file(data: dict, dim: int, num_streams: int, source: str) -> tup
     if cache.dtype.is_floating_point or not torch.isfinite(emb.float()).all():
         raise CheckpointError(f"{source}: 'cache' must be integer and 'embeddings' finite")
     return emb.float(), cache.reshape(num_streams, 4).long()
+
+
+def random_voice_data(dim: int, initial_tokens: Sequence[int], frames: int = 60, seed: int = 2) -> dict:
+    """A voice file's dict (``embeddings``, ``cache``) with ``frames`` voice frames of random
+    embeddings at width ``dim``, and the model's initial tokens in the ring: the cost and
+    shape of a real voice prompt, for random-weight engines (benchmarks, ``random:``
+    checkpoints)."""
+    gen = torch.Generator().manual_seed(seed)
+    emb = torch.randn(frames - 1, dim, generator=gen) * 0.02
+    cache = torch.tensor(list(initial_tokens)).view(-1, 1).repeat(1, 4)
+    return {"embeddings": emb, "cache": cache}
 
 
 class VoiceStore:

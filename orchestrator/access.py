@@ -94,7 +94,7 @@ class AccessPolicy:
             return True
         hosts = [headers.get("Host", "")]
         if peer is not None and self._trusted(peer):
-            hosts += headers.get("X-Forwarded-Host", "").split(",")
+            hosts += _joined(headers, "X-Forwarded-Host").split(",")
         netloc = urlsplit(normalized).netloc
         return any(host.strip().lower() == netloc for host in hosts if host.strip())
 
@@ -117,7 +117,7 @@ class AccessPolicy:
         peer = str(client[0]) if client else "unknown"
         if not self._proxies or not self._trusted(peer):
             return peer
-        hops = [hop.strip() for hop in headers.get("X-Forwarded-For", "").split(",") if hop.strip()]
+        hops = [hop.strip() for hop in _joined(headers, "X-Forwarded-For").split(",") if hop.strip()]
         for hop in reversed(hops):
             if not self._trusted(hop):
                 return hop
@@ -129,6 +129,18 @@ class AccessPolicy:
         except ValueError:
             return False
         return any(ip in network for network in self._proxies)
+
+
+def _joined(headers: Mapping[str, str], name: str) -> str:
+    """Every line of a list-valued header, comma-joined in order (RFC 9110 5.3).
+
+    A proxy that appends its own ``X-Forwarded-For`` line (HAProxy's ``option forwardfor``,
+    nginx's usual set-up) leaves the client's line first: reading only that one would
+    take a hop the client wrote as the address."""
+    getlist = getattr(headers, "getlist", None)
+    if getlist is None:
+        return headers.get(name, "")
+    return ", ".join(getlist(name))
 
 
 def _key_required(mode: str, public: bool, keys: Iterable[str]) -> bool:

@@ -27,6 +27,7 @@ from engines.interface import EngineError
 
 from . import events as ev
 from .client_events import CLOSE_EVENTS, client_event_id, decode_event
+from .engine_pool import DeviceEngine
 from .errors import ProtocolError
 from .limits import EventRate
 from .session import Session
@@ -55,6 +56,7 @@ class Connection:
         self.autostart = autostart
         self.client = client  # (address, API key digest) counted against the per-client limits
         self._cleanup: concurrent.futures.Future | None = None
+        self._engine: DeviceEngine | None = None  # where the session lives, once placed
         self._rate = EventRate(self.settings.max_events_per_s, self.settings.max_input_bytes_per_s,
                                self.settings.max_event_bytes)
 
@@ -163,42 +165,32 @@ class Connection:
         try:
             config = parse_session_update(session_payload(event), defaults, is_open=False, input_rate_locked=False,
                                           max_instructions_chars=self.settings.max_instructions_chars)
+            engine = self._engine = services.place_session()  # holds an admission slot from here
         except ProtocolError as exc:
             await self._refuse(exc, eid)
             return None
-        refusal = services.open_refusal()
-        if refusal is not None:
-            services.metrics.inc("connections_refused", "shutdown" if services.draining else "stalled")
-            await self._refuse(refusal, eid)
-            return None
-        if not services.admission.try_acquire():
-            services.metrics.inc("sessions_refused")
-            await self._refuse(ProtocolError(
-                "resource_exhausted", f"duplex_session_capacity_exhausted: limit={services.max_sessions}",
-                retryable=True), eid)
-            return None
         session_id = ev.new_session_id()
         try:
-            await services.wait_ready()
-            await asyncio.wrap_future(services.scheduler.open(session_id, config.spec()))
+            await services.pool.wait_ready(engine, self.settings.ready_wait_s)
+            await asyncio.wrap_future(engine.open(session_id, config.spec()))
         except asyncio.CancelledError:
             # The client left while the slot was being prepared; the open may still complete
             # in the engine thread, so close by id: that frees whatever was allocated.
-            services.release_when_closed(services.scheduler.close(session_id))
+            engine.close(session_id)
             raise
         except Exception as exc:  # noqa: BLE001 - a failed open allocated no engine slot
-            services.admission.release()
+            engine.cancel_admission()
             await self._refuse(_open_error(exc), eid)
             return None
         if not config.model:
             config = dataclasses.replace(config, model=services.model_name)
-        session = Session(session_id, config, scheduler=services.scheduler, settings=self.settings,
+        session = Session(session_id, config, scheduler=engine.scheduler, settings=self.settings,
                           metrics=services.metrics, caps=services.caps)
         services.sessions[session_id] = session
         if services.draining:  # the drain began while the slot was being prepared
             session.request_stop("shutdown")
         services.metrics.inc("sessions_opened")
-        log.info("session %s opened (voice=%s)", session_id, config.voice)
+        log.info("session %s opened on %s (voice=%s)", session_id, engine.label, config.voice)
         session.emit({"type": "session.created", "session": session.public()}, journal=False)
         session.emit({"type": "session.updated", "session": session.public()})
         return session
@@ -267,8 +259,8 @@ class Connection:
         session.begin_close()
         services.sessions.pop(session.id, None)
         services.metrics.inc("sessions_closed", reason)
-        self._cleanup = services.scheduler.close(session.id)
-        services.release_when_closed(self._cleanup)
+        assert self._engine is not None  # a session exists only once placed on an engine
+        self._cleanup = self._engine.close(session.id)
         log.info("session %s closed (%s)", session.id, reason)
         return self._cleanup
 

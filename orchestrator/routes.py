@@ -10,7 +10,7 @@ import json
 import logging
 import time
 
-from quart import Quart, Response, jsonify, websocket
+from quart import Quart, Response, jsonify, request, websocket
 
 from engines.factory import create_engine
 
@@ -58,20 +58,23 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
 
     @app.get("/ready")
     async def ready() -> Response:
-        status, body = services().readiness()
+        # ?require_free_slot=1: also 503 "full" when a new session would be refused for
+        # capacity, so that a balancer's health check stops sending a full replica clients.
+        require_free_slot = request.args.get("require_free_slot", "").lower() in _ON
+        status, body = services().readiness(require_free_slot=require_free_slot)
         return jsonify(body), status
 
     @app.get("/v1/models")
     async def models() -> Response:
         svc = services()
-        info = svc.scheduler.info
+        info = svc.pool.info
         if info is None:
             return jsonify({"error": {"type": "server_error", "code": "engine_unavailable",
                                       "message": "the model is still loading"}}), 503
         return jsonify({"object": "list", "data": [{
             "id": svc.model_name, "object": "model", "created": started_at, "owned_by": "personaplex-serve",
             "root": info.model, "backend": info.backend, "device": info.device, "demo": info.is_demo,
-            "max_sessions": svc.max_sessions,
+            "devices": [engine.label for engine in svc.pool.engines], "max_sessions": svc.max_sessions,
         }]})
 
     @app.get("/metrics")
@@ -98,6 +101,10 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
         caller = _gate(svc)
         if isinstance(caller, Response):
             return caller
+        if svc.settings.refuse_when_full == "http":
+            refused = _placement_gate(svc)
+            if refused is not None:
+                return refused
         await websocket.accept(subprotocol=caller.subprotocol)
         address = svc.access.client_address(websocket.scope, websocket.headers)
         model = request_arg("model", "") or None
@@ -128,6 +135,21 @@ def _gate(svc: Services) -> Caller | Response:
         return _http_error(401, "invalid_api_key", "missing or unknown API key (send Authorization: Bearer <key>, "
                            "the subprotocol openai-insecure-api-key.<key>, or ?api_key=<key>)")
     return caller
+
+
+def _placement_gate(svc: Services) -> Response | None:
+    """``PERSONAPLEX_REFUSE_WHEN_FULL=http``: a handshake whose session.update would be
+    refused now (full, draining, no engine serving) gets an HTTP 503 with ``Retry-After``
+    instead of a websocket, so a balancer can retry it on another replica.  The check at
+    session.update still applies (another client may take the last slot in between)."""
+    refusal = svc.open_refusal()
+    if refusal is None:
+        return None
+    error, reason = refusal
+    svc.count_refusal(reason)
+    response = _http_error(503, error.code, error.message)
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 def _http_error(status: int, code: str, message: str) -> Response:

@@ -123,8 +123,12 @@ class TickScheduler:
         silence_grace_s: float,
         warmup_frames: int,
         metrics: Metrics,
+        device: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # ``device``: the label of this engine's device (one scheduler per device), for the
+        # thread's name, the logs and the per-device metrics; None in single-engine tests.
+        self.device = device
         self._factory = engine_factory
         self._window = batch_window_s
         self._grace = silence_grace_s
@@ -154,15 +158,20 @@ class TickScheduler:
     def start(self, loop: Any, deliver: Callable[[list], None]) -> None:
         """Start the engine thread; ``deliver(results)`` is then called on ``loop`` per tick."""
         self._loop, self._deliver = loop, deliver
-        self._thread = threading.Thread(target=self._run, name="personaplex-engine", daemon=True)
+        name = "personaplex-engine" + (f"-{self.device}" if self.device else "")
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.request_stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def request_stop(self) -> None:
+        """Ask the engine thread to finish (after its current call) without waiting for it."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     @property
     def is_ready(self) -> bool:
@@ -272,14 +281,14 @@ class TickScheduler:
             self.voices = tuple(engine.voices())
             self._warm_up(engine)
         except BaseException as exc:  # noqa: BLE001 - reported through /health and opens
-            log.exception("engine failed to load")
+            log.exception("engine failed to load (device %s)", self.device)
             self.load_error = exc
             self.ready.set()
             return None
         self.info = engine.info
         self.ready.set()
         log.info("engine ready: model=%s backend=%s device=%s slots=%d", engine.info.model, engine.info.backend,
-                 engine.info.device, engine.info.max_slots)
+                 self.device or engine.info.device, engine.info.max_slots)
         return engine
 
     def _warm_up(self, engine: Engine) -> None:
@@ -386,7 +395,7 @@ class TickScheduler:
         self._ticks += 1
         pcm16 = float_to_pcm16(np.stack([out.pcm for out in outputs]))
         silent_inputs = sum(1 for *_, silent in batch if silent)
-        self._metrics.observe_tick(seconds, len(batch), silent_inputs)
+        self._metrics.observe_tick(seconds, len(batch), silent_inputs, device=self.device)
         tick_ms = seconds * 1e3
         self._hand_back([
             FrameResult(lane.key, epoch, pcm16[i], out.text, int(out.text_id), silent, self._ticks, tick_ms,

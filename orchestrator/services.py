@@ -1,6 +1,11 @@
-"""What the routes share: settings, the tick scheduler, admission, metrics and the registry
-of open sessions, plus access control and the reliability guards (watchdog, drain).  Lives
-on the event loop; only the scheduler has a thread.
+"""What the routes share: settings, the engines (one per device, with their schedulers,
+admission and watchdogs: ``engine_pool.py``), metrics and the registry of open sessions, plus
+access control and the drain.  Lives on the event loop; only the schedulers have threads.
+
+Health with several engines: the process is healthy while at least one engine can serve,
+and ready while at least one is serving; each engine's own state is in the bodies (and in
+the ``personaplex_device_*`` metrics).  Restarting the process for one bad GPU would end
+every session of the good ones; a process whose every engine is down is replaced.
 
 Draining: the server starts draining when it stops listening (``listeners.py``: hypercorn
 closes its listeners first on SIGTERM, then gives open connections ``--graceful-timeout``)
@@ -11,28 +16,22 @@ live session ends with ``session.closed`` reason ``shutdown`` (close code 1001).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-from typing import Any, Callable
-
-from engines.interface import Engine
+from typing import Any
 
 from .access import AccessPolicy
-from .admission import SlotPool
+from .engine_pool import DeviceEngine, EngineFactory, EnginePool
 from .errors import ProtocolError
 from .events import capabilities
 from .fault_injection import FaultPlan, FaultPlanError, wrap_engine
 from .limits import ClientLimits, Refusal
 from .listeners import ListenerWatch, find_listeners
 from .metrics import Metrics
-from .scheduler import EngineCall, FrameFailure, FrameResult, TickScheduler
+from .scheduler import EngineCall, FrameFailure, FrameResult
 from .session import Session
 from .settings import Settings, SettingsError, env_name
-from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-
-EngineFactory = Callable[..., Engine]
 
 LISTENER_POLL_S = 0.1  # how soon a closed listener (shutdown) starts the drain
 
@@ -50,26 +49,18 @@ class Services:
         self.shutdown_started = asyncio.Event()
         self._tasks: list[asyncio.Future] = []
         engine_factory = _with_fault_injection(engine_factory, settings.fault_injection)
-        self.device = settings.resolved_device()
-        self.max_sessions = settings.resolved_max_sessions(self.device)
-        self.admission = SlotPool(self.max_sessions)
         self.metrics = Metrics()
         self.sessions: dict[str, Session] = {}
+        self.pool = EnginePool.build(settings, engine_factory, self.metrics, self._on_stall)
+        self.max_sessions = self.pool.capacity  # of all engines: what clients and balancers see
         self.caps = capabilities(self.max_sessions)
-        self.scheduler = TickScheduler(
-            lambda: engine_factory(settings.checkpoint, max_slots=self.max_sessions, device=self.device,
-                                   backend=settings.backend, window=settings.window,
-                                   kv_cache=settings.kv_cache, compile=settings.compile),
-            batch_window_s=settings.batch_window_ms / 1000.0,
-            silence_grace_s=settings.silence_grace_s,
-            warmup_frames=settings.warmup_frames,
-            metrics=self.metrics,
-        )
-        self.metrics.live_sessions = lambda: self.admission.held
-        self.metrics.free_slots = lambda: self.admission.free
-        self.metrics.ready = lambda: self.scheduler.is_ready
-        self.watchdog = Watchdog(self.scheduler, settings.watchdog_deadline_s, self.metrics, self._on_stall)
-        self.metrics.engine_stalled = lambda: self.watchdog.stalled is not None
+        engines = self.pool.engines
+        self.metrics.live_sessions = lambda: self.pool.held
+        self.metrics.free_slots = lambda: self.pool.free
+        self.metrics.max_sessions = lambda: self.pool.capacity
+        self.metrics.ready = lambda: any(engine.scheduler.is_ready for engine in engines)
+        self.metrics.engine_stalled = lambda: any(engine.watchdog.stalled is not None for engine in engines)
+        self.metrics.devices = lambda: [engine.status() for engine in engines]
         self.metrics.draining = lambda: self.draining
         self.metrics.loop_tasks = lambda: len(asyncio.all_tasks())
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -81,11 +72,11 @@ class Services:
             log.warning("PERSONAPLEX_CHECKPOINT is not set: serving the embedded default, an UNTRAINED tiny demo "
                         "model (its speech is noise). To serve real weights set PERSONAPLEX_CHECKPOINT to a "
                         "nvidia/personaplex-7b-v1 checkpoint directory.")
-        log.info("starting the engine: device=%s backend=%s max_sessions=%d", self.device, self.settings.backend,
-                 self.max_sessions)
-        self.scheduler.start(self._loop, self.deliver)
+        log.info("starting %d engine(s): backend=%s max_sessions=%d in all", len(self.pool.engines),
+                 self.settings.backend, self.max_sessions)
+        self.pool.start(self._loop, self.deliver)
         if self.settings.watchdog_deadline_s > 0:
-            self._tasks.append(asyncio.ensure_future(self.watchdog.run()))
+            self._tasks.extend(asyncio.ensure_future(engine.watchdog.run()) for engine in self.pool.engines)
         if self._listeners.listeners:
             self._tasks.append(asyncio.ensure_future(self._watch_listeners()))
 
@@ -93,7 +84,7 @@ class Services:
         self.drain("serving stopped")
         for task in self._tasks:
             task.cancel()
-        self.scheduler.stop()
+        self.pool.stop()
 
     def drain(self, why: str) -> None:
         """Refuse new opens and end every live session with reason ``shutdown`` (once)."""
@@ -111,21 +102,42 @@ class Services:
             await asyncio.sleep(LISTENER_POLL_S)
         self.drain("the server stopped listening")
 
-    def open_refusal(self) -> ProtocolError | None:
-        """Why a new session cannot be opened now (draining, stalled engine), or None."""
+    def open_refusal(self) -> tuple[ProtocolError, str] | None:
+        """Why a new session cannot be placed now, with the reason it is counted under in
+        ``connections_refused`` (``full``: also ``sessions_refused``), or None."""
         if self.draining:
             return ProtocolError("server_shutting_down", "the server is shutting down; connect again (to another "
-                                 "replica)", retryable=True)
-        stalled = self.watchdog.stalled
-        if stalled is not None:
-            return ProtocolError("engine_stalled", stalled, retryable=True)
+                                 "replica)", retryable=True), "shutdown"
+        unavailable = self.pool.unavailable()
+        if unavailable is not None:
+            return unavailable, "stalled" if unavailable.code == "engine_stalled" else "unavailable"
+        if self.pool.choose() is None:
+            return ProtocolError("resource_exhausted", f"duplex_session_capacity_exhausted: limit={self.max_sessions}",
+                                 retryable=True), "full"
         return None
 
-    def _on_stall(self, call: EngineCall, elapsed: float) -> None:
+    def place_session(self) -> DeviceEngine:
+        """Hold an admission slot for a new session on the engine placement picks; raises
+        ``open_refusal()``'s error (counted in the metrics) when there is none."""
+        refusal = self.open_refusal()
+        if refusal is not None:
+            error, reason = refusal
+            self.count_refusal(reason)
+            raise error
+        return self.pool.acquire()
+
+    def count_refusal(self, reason: str) -> None:
+        if reason == "full":
+            self.metrics.inc("sessions_refused")
+        else:
+            self.metrics.inc("connections_refused", reason)
+
+    def _on_stall(self, engine: DeviceEngine, call: EngineCall, elapsed: float) -> None:
         for session in list(self.sessions.values()):
-            session.emit_error(ProtocolError(
-                "engine_stalled", f"the model has not answered for {elapsed:.1f} s; this session waits for it",
-                retryable=True))
+            if session.scheduler is engine.scheduler:
+                session.emit_error(ProtocolError(
+                    "engine_stalled", f"the model has not answered for {elapsed:.1f} s; this session waits for it",
+                    retryable=True))
 
     # Per-client limits ----------------------------------------------------------------------------
     def admit_client(self, address: str, key_id: str | None) -> Refusal | None:
@@ -148,18 +160,8 @@ class Services:
     def model_name(self) -> str:
         if self.settings.model_name:
             return self.settings.model_name
-        return self.scheduler.info.model if self.scheduler.info else "personaplex"
-
-    async def wait_ready(self) -> None:
-        """Return once the engine is up; ``engine_unavailable`` if it failed or is too slow."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.ready_wait_s
-        while not self.scheduler.ready.is_set() and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        if self.scheduler.load_error is not None:
-            raise ProtocolError("engine_unavailable", f"the model failed to load: {self.scheduler.load_error}")
-        if not self.scheduler.ready.is_set():
-            raise ProtocolError("engine_unavailable", "the model is still loading; retry later", retryable=True)
+        info = self.pool.info
+        return info.model if info else "personaplex"
 
     # Ticks -> sessions ------------------------------------------------------------------------
     def deliver(self, results: list[FrameResult | FrameFailure]) -> None:
@@ -170,43 +172,48 @@ class Services:
             else:
                 session.on_result(result)
 
-    def release_when_closed(self, cleanup: concurrent.futures.Future) -> None:
-        """Give the admission slot back once the engine has released the session's slot."""
-        loop = self._loop
-        assert loop is not None
-
-        def released(future: concurrent.futures.Future) -> None:
-            if future.cancelled() or future.exception() is not None:
-                log.error("a session's engine slot was not released cleanly; keeping its admission slot held")
-                return
-            self.admission.release()
-
-        cleanup.add_done_callback(lambda future: loop.call_soon_threadsafe(released, future))
-
     # Status -----------------------------------------------------------------------------------
     def health(self) -> tuple[int, dict[str, Any]]:
-        if self.scheduler.load_error is not None:
-            return 503, {"status": "unhealthy", "reason": f"engine failed to load: {self.scheduler.load_error}"}
-        if not self.scheduler.ready.is_set():
-            return 503, {"status": "unhealthy", "reason": "No engine initialized (loading)"}
-        if not self.scheduler.alive:
-            return 503, {"status": "unhealthy", "reason": "the engine thread has stopped"}
-        stalled = self.watchdog.stalled
-        if stalled is not None:
-            return 503, {"status": "unhealthy", "reason": stalled}
-        failed, limit = self.scheduler.failed_ticks_in_row, self.settings.unhealthy_after_failed_ticks
-        if limit and failed >= limit:
-            return 503, {"status": "unhealthy", "reason": f"the last {failed} ticks all failed"}
-        if self.draining:
-            return 503, {"status": "unhealthy", "reason": "shutting down"}
-        return 200, {"status": "healthy"}
+        """503 when no engine can serve (the one engine's reason, or each device's) or while
+        draining; the per-device detail is added whenever some engine has a problem."""
+        limit = self.settings.unhealthy_after_failed_ticks
+        engines = self.pool.engines
+        problem_of = {engine: engine.health_problem(limit) for engine in engines}  # read once: threads move on
+        problems = list(problem_of.values())
+        if all(problems):
+            body = {"status": "unhealthy", "reason": self.pool.describe(engines, problem_of.get)}
+        elif self.draining:
+            body = {"status": "unhealthy", "reason": "shutting down"}
+        else:
+            body = {"status": "healthy"}
+        if any(problems):
+            body["devices"] = [{"device": engine.label, "status": "unhealthy" if problem else "healthy",
+                                **({"reason": problem} if problem else {})}
+                               for engine, problem in zip(engines, problems)]
+        return (200 if body["status"] == "healthy" else 503), body
 
-    def readiness(self) -> tuple[int, dict[str, Any]]:
-        ready = (self.scheduler.is_ready and self.scheduler.alive and not self.draining
-                 and self.watchdog.stalled is None)
-        body = {"ready": ready, "free_slots": self.admission.free, "max_sessions": self.max_sessions,
-                "live_sessions": self.admission.held}
-        return (200 if ready else 503), body
+    def readiness(self, require_free_slot: bool = False) -> tuple[int, dict[str, Any]]:
+        """200 once start-up is over (no engine still loading), some engine is serving and
+        the server is not draining; with
+        ``require_free_slot``, also 503 ``"reason": "full"`` when a new session would be
+        refused for capacity (what a balancer's health check asks)."""
+        pool = self.pool
+        reason = None
+        if self.draining:
+            reason = "draining"
+        elif pool.loading:
+            reason = "loading"  # sessions wait for every engine's load (EnginePool.wait_ready)
+        elif not pool.serving:
+            reason = "unavailable"
+        elif require_free_slot and pool.choose() is None:
+            reason = "full"
+        ready = reason in (None, "full")
+        body: dict[str, Any] = {"ready": ready, "free_slots": pool.free, "max_sessions": pool.capacity,
+                                "live_sessions": pool.held}
+        if reason is not None:
+            body["reason"] = reason
+        body["devices"] = [engine.status() for engine in pool.engines]
+        return (200 if reason is None else 503), body
 
 
 def _with_fault_injection(factory: EngineFactory, spec: str | None) -> EngineFactory:

@@ -127,6 +127,11 @@ class Session:
         self._seq = 0
         self._max_pending_frames = max(1, settings.max_pending_input_bytes // _F32_FRAME_BYTES)
 
+    @property
+    def scheduler(self) -> TickScheduler:
+        """The scheduler of the engine this session lives on (for its whole life)."""
+        return self._scheduler
+
     # Emitting ---------------------------------------------------------------------------------
     def emit(self, payload: dict[str, Any], *, tag: str | None = None, journal: bool = True,
              force: bool = False) -> None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from engines.random_weights import RANDOM_MODEL_BYTES, random_model_name
+
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "PERSONAPLEX_"
@@ -36,6 +38,7 @@ SESSION_MEMORY_GB = {"auto": 1.6, "fp8": 0.82}
 
 
 AUTH_MODES = ("auto", "required", "off")
+REFUSE_WHEN_FULL_MODES = ("event", "http")
 
 
 class SettingsError(ValueError):
@@ -45,8 +48,13 @@ class SettingsError(ValueError):
 @dataclass(frozen=True)
 class Settings:
     # Model ---------------------------------------------------------------------------------
-    checkpoint: str | None = None  # checkpoint directory; None = embedded tiny demo model
+    # Checkpoint directory; None = the embedded tiny demo model; "random:personaplex-7b" =
+    # random weights at the 7B shapes (capacity measurements, engines/random_weights.py).
+    checkpoint: str | None = None
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N"
+    # One engine per listed device, e.g. "0,1", "cuda:0,cuda:1", "all" (every visible GPU) or
+    # "cpu,cpu" (testing); empty = the one engine of ``device``.  See resolved_devices().
+    devices: tuple[str, ...] = ()
     backend: str = "torch"  # "torch", or "trtllm" with checkpoint = a convert_checkpoint.py build dir
     window: str = "reference"  # attention window policy handed to the engine
     # Temporal KV cache storage: "auto" = the model dtype (bf16 on a GPU, float32 on CPU);
@@ -56,7 +64,8 @@ class Settings:
     # torch.compile the GPU fast path's layer blocks: auto = on for CUDA, off on CPU (where
     # the eager path is the exact reference); compiling adds a minute or two to start-up.
     compile: str = "auto"
-    # Admission: None derives it from device memory and session_memory_gb (see resolve_*).
+    # Admission per device (per engine); None derives it from each device's memory and
+    # session_memory_gb (see resolved_max_sessions).
     max_sessions: int | None = None
     # Device memory of one session's full KV window; None = 1.6 (7B, bf16) or 0.82 (fp8).
     session_memory_gb: float | None = None
@@ -84,6 +93,10 @@ class Settings:
     trusted_proxies: tuple[str, ...] = ()  # peers whose X-Forwarded-For names the client
     max_sessions_per_key: int = 0  # concurrent websockets per API key; 0 = no limit
     max_sessions_per_ip: int = 0  # concurrent websockets per client address; 0 = no limit
+    # How a handshake is refused when no engine has a free slot: "event" (accept, then the
+    # resource_exhausted error event, as the reference) or "http" (a 503 before accepting,
+    # which a balancer can retry on another replica).
+    refuse_when_full: str = "event"
     opens_per_minute_per_key: int = 0  # websocket opens per key per minute (burst = 1 min); 0 = off
     opens_per_minute_per_ip: int = 0
     max_events_per_s: float = 250.0  # client events per second per socket (burst: 2 s); 0 = off
@@ -119,14 +132,29 @@ class Settings:
             positive(name, allow_zero=True)
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise SettingsError(f"{env_name('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.checkpoint is not None and not Path(self.checkpoint).is_dir():
-            raise SettingsError(f"{env_name('checkpoint')}={self.checkpoint!r} is not a directory")
+        if self.devices:
+            parse_devices(self.devices)
+            if self.device != "auto":
+                raise SettingsError(f"set {env_name('device')} or {env_name('devices')}, not both")
+        self._check_checkpoint()
         if self.backend not in BACKENDS:
             raise SettingsError(f"{env_name('backend')} must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.backend == "trtllm" and self.checkpoint is None:
             raise SettingsError(f"{env_name('backend')}=trtllm needs {env_name('checkpoint')} set to a build "
                                 "directory written by convert_checkpoint.py")
         self._check_reliability(positive)
+
+    def _check_checkpoint(self) -> None:
+        try:
+            random_model = random_model_name(self.checkpoint)
+        except ValueError as exc:
+            raise SettingsError(f"{env_name('checkpoint')}: {exc}") from None
+        if random_model is not None:
+            if self.backend != "torch":
+                raise SettingsError(f"{env_name('checkpoint')}={self.checkpoint} (random weights) needs "
+                                    f"{env_name('backend')}=torch")
+        elif self.checkpoint is not None and not Path(self.checkpoint).is_dir():
+            raise SettingsError(f"{env_name('checkpoint')}={self.checkpoint!r} is not a directory")
 
     def _check_reliability(self, positive: Any) -> None:
         """Access-control and fault settings (kept apart: one job per block)."""
@@ -137,6 +165,9 @@ class Settings:
                      "unhealthy_after_failed_ticks"):
             positive(name, allow_zero=True)
         positive("max_instructions_chars")
+        if self.refuse_when_full not in REFUSE_WHEN_FULL_MODES:
+            raise SettingsError(f"{env_name('refuse_when_full')} must be one of {', '.join(REFUSE_WHEN_FULL_MODES)}, "
+                                f"got {self.refuse_when_full!r}")
         if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
             raise SettingsError(f"{env_name('api_keys_file')}={self.api_keys_file!r} is not a file")
 
@@ -183,12 +214,35 @@ class Settings:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def resolved_devices(self) -> list[str]:
+        """The devices to run one engine each on: ``devices`` resolved against the visible
+        GPUs (``all``: every one; an index past the last is an error), or ``[resolved_device()]``."""
+        if not self.devices:
+            return [self.resolved_device()]
+        wanted = parse_devices(self.devices)
+        if not any(device.startswith("cuda") for device in wanted) and wanted != ["all"]:
+            return wanted
+        import torch  # only to count the GPUs
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if wanted == ["all"]:
+            if visible == 0:
+                raise SettingsError(f"{env_name('devices')}=all but no CUDA device is visible")
+            return [f"cuda:{i}" for i in range(visible)]
+        for device in wanted:
+            if device.startswith("cuda") and int(device.split(":")[1]) >= visible:
+                raise SettingsError(f"{env_name('devices')} names {device} but {visible} CUDA device(s) are visible "
+                                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        return wanted
+
     def resolved_max_sessions(self, device: str) -> int:
-        """The configured admission, or one derived from device memory and the KV budget.
+        """The configured admission of one device's engine, or one derived from that device's
+        memory and the KV budget.
 
         On a GPU: (total memory - checkpoint size on disk) * 0.9 / ``session_memory_gb``
-        (by default the KV window of the ``kv_cache`` mode), clamped to [1, 128].  On CPU
-        the demo default of 8.
+        (by default the KV window of the ``kv_cache`` mode), clamped to [1, 128]; a
+        ``random:`` checkpoint counts as the size of the real one.  On CPU the demo default
+        of 8.
         """
         if self.max_sessions is not None:
             return self.max_sessions
@@ -200,10 +254,44 @@ class Settings:
         import torch
 
         total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-        weights = _dir_bytes(Path(self.checkpoint)) if self.checkpoint else 0
+        weights = self._checkpoint_bytes()
         budget = (total - weights) * 0.9
         per_session = self.session_memory_gb or SESSION_MEMORY_GB[self.kv_cache]
         return max(1, min(DERIVED_MAX_SESSIONS_CAP, int(budget // (per_session * 2**30))))
+
+    def _checkpoint_bytes(self) -> int:
+        """Device memory the weights take, as the checkpoint's size on disk."""
+        if self.checkpoint is None:
+            return 0
+        random_model = random_model_name(self.checkpoint)
+        if random_model is not None:
+            return RANDOM_MODEL_BYTES[random_model]
+        return _dir_bytes(Path(self.checkpoint))
+
+
+def parse_devices(items: tuple[str, ...]) -> list[str]:
+    """``PERSONAPLEX_DEVICES`` items as device names: ``N`` and ``cuda:N`` are ``cuda:N``,
+    ``cpu`` may repeat (several CPU engines, for tests), ``all`` stands alone; a GPU may not
+    be listed twice (two engines would split one GPU's memory, each sized for all of it)."""
+    where = env_name("devices")
+    if "all" in items:
+        if len(items) != 1:
+            raise SettingsError(f"{where}: 'all' cannot be combined with other devices, got {','.join(items)!r}")
+        return ["all"]
+    devices: list[str] = []
+    for item in items:
+        name = item.lower()
+        index = name.removeprefix("cuda:")
+        if name == "cpu":
+            devices.append("cpu")
+        elif index.isdigit() and index.isascii():
+            device = f"cuda:{int(index)}"
+            if device in devices:
+                raise SettingsError(f"{where} lists {device} twice, got {','.join(items)!r}")
+            devices.append(device)
+        else:
+            raise SettingsError(f"{where}: {item!r} is not a device; use GPU indexes (0,1), cuda:N, cpu or all")
+    return devices
 
 
 def env_name(field_name: str) -> str:

@@ -5,7 +5,9 @@ session silent, with no exception anywhere.  The watchdog runs on the event loop
 scheduler's ``busy`` marker a few times per deadline (two attribute reads: the tick itself
 pays nothing), and when one call has run past ``deadline_s`` it counts a stall, logs it,
 tells the callback (which warns the sessions), and reports itself in ``stalled`` until that
-call returns: ``/health`` is then 503, so an orchestrator can replace the process.
+call returns: its engine then takes no new sessions, and when no engine of the process can
+serve ``/health`` is 503, so an orchestrator can replace the process.  One watchdog per
+engine (``engine_pool.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ class Watchdog:
         return (f"engine stalled: a {call.kind} has been running for {self._clock() - call.since:.1f} s "
                 f"(deadline {self.deadline_s:g} s)")
 
+    @property
+    def _of_device(self) -> str:
+        return f" of {self.scheduler.device}" if self.scheduler.device else ""
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.period_s)
@@ -58,11 +64,11 @@ class Watchdog:
             if self._stalled is not call:
                 self._stalled = call
                 self._metrics.inc("tick_stalls")
-                log.error("watchdog: the engine thread is stuck in a %s (%d session(s)) for %.1f s, past the %g s "
-                          "deadline; /health reports unhealthy until it returns", call.kind, call.sessions,
-                          now - call.since, self.deadline_s)
+                log.error("watchdog: the engine thread%s is stuck in a %s (%d session(s)) for %.1f s, past the %g s "
+                          "deadline; it takes no new sessions until it returns", self._of_device, call.kind,
+                          call.sessions, now - call.since, self.deadline_s)
                 self._on_stall(call, now - call.since)
         elif self._stalled is not None:
-            log.warning("watchdog: the stalled %s returned after %.1f s; healthy again", self._stalled.kind,
-                        now - self._stalled.since)
+            log.warning("watchdog: the stalled %s%s returned after %.1f s; healthy again", self._stalled.kind,
+                        self._of_device, now - self._stalled.since)
             self._stalled = None

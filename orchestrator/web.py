@@ -56,11 +56,11 @@ def register_web(app: Quart, services: Callable[[], Services]) -> None:
     @app.get("/v1/voices")
     async def voices() -> Response:
         svc = services()
-        info = svc.scheduler.info
+        info = svc.pool.info
         if info is None:  # the voices are known once the engine has loaded
             loading = ProtocolError("engine_unavailable", "the model is still loading; retry shortly", retryable=True)
             return jsonify({"error": loading.payload()}), 503
-        names = list(svc.scheduler.voices)
+        names = list(svc.pool.voices)
         default = DEFAULT_VOICE if DEFAULT_VOICE in names or not names else names[0]
         return jsonify({
             "object": "list",

@@ -277,6 +277,12 @@ def test_access_policy_keys_origins_and_proxies():
     assert policy.client_address({"client": ("10.2.2.2", 5)}, headers) == "203.0.113.9"
     assert policy.client_address({"client": ("192.0.2.1", 5)}, headers) == "192.0.2.1"  # untrusted peer
     assert policy.client_address({"client": ("10.2.2.2", 5)}, {}) == "10.2.2.2"
+    # A proxy that appends a second header line: the client's own (spoofable) line comes
+    # first, the proxy's view of the client last; every line counts.
+    from werkzeug.datastructures import Headers
+
+    two_lines = Headers([("X-Forwarded-For", "198.51.100.7"), ("X-Forwarded-For", "203.0.113.9")])
+    assert policy.client_address({"client": ("10.2.2.2", 5)}, two_lines) == "203.0.113.9"
 
 
 def test_listeners_are_found_and_their_closing_is_seen():

@@ -1,0 +1,481 @@
+"""One engine per device (``PERSONAPLEX_DEVICES``): placement on the engine with the most free
+slots, per-device capacity in ``/ready`` and ``/metrics``, the balancer's
+``/ready?require_free_slot=1``, ``PERSONAPLEX_REFUSE_WHEN_FULL=http``, and random weights
+(``PERSONAPLEX_CHECKPOINT=random:...``).
+
+The servers run two CPU engines (``cpu,cpu``): the same code as one engine per GPU, with
+real sessions and real speech.  What needs a GPU (``cuda:N`` resolution, the 7B random
+engine) is checked here up to the point where a GPU would be touched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import websockets
+
+from engines.random_weights import RANDOM_MODEL_BYTES
+from orchestrator.engine_pool import DeviceEngine, EnginePool, device_labels
+from orchestrator.metrics import Metrics
+from orchestrator.scheduler import EngineCall
+from orchestrator.settings import Settings, SettingsError
+from tests.orch_support import Client, Server, f32_append, run, speech_frames
+
+PERSONA = "You are a concise and helpful assistant."
+
+
+@pytest.fixture(scope="module")
+def two_cpu_server():
+    """Two CPU engines of two sessions each; no silence feeding (outputs follow inputs only)."""
+    server = Server(devices="cpu,cpu", max_sessions=2, silence_grace_s=0)
+    yield server
+    server.stop()
+    server.assert_clean_log()
+
+
+def live_per_device(server: Server) -> list[int]:
+    return [device["live_sessions"] for device in server.get("/ready")[1]["devices"]]
+
+
+def wait_live(server: Server, expected: list[int], timeout: float = 10.0) -> None:
+    """Closing is asynchronous (the engine releases the slot, then admission follows)."""
+    for _ in range(int(timeout / 0.05)):
+        if live_per_device(server) == expected:
+            return
+        time.sleep(0.05)
+    assert live_per_device(server) == expected
+
+
+async def open_client(server: Server, **session) -> tuple[Client, str]:
+    client = await Client.connect(server.ws + "/v1/realtime")
+    opened = await client.open(instructions=PERSONA, temperature=0, **session)
+    return client, opened["id"]
+
+
+def placed_on(server: Server, session_id: str, timeout: float = 10.0) -> str:
+    """The device a session was placed on, from the server's log line (which may reach the
+    test's log reader a little after the client got session.created)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for line in server.logs().splitlines():
+            if f"session {session_id} opened on " in line:
+                return line.split(" opened on ")[1].split()[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no placement logged for {session_id}")
+        time.sleep(0.02)
+
+
+# Placement, capacity, refusal --------------------------------------------------------------------
+
+def test_sessions_spread_over_devices_and_the_fifth_is_refused(two_cpu_server: Server):
+    server = two_cpu_server
+    server.wait_free_slots(4)
+    status, body = server.get("/ready")
+    assert status == 200 and (body["max_sessions"], body["free_slots"], body["live_sessions"]) == (4, 4, 0)
+    assert [(d["device"], d["ready"], d["max_sessions"]) for d in body["devices"]] == [
+        ("cpu#0", True, 2), ("cpu#1", True, 2)]
+    refused_before = server.metric("personaplex_sessions_refused_total")
+
+    async def scenario():
+        clients, placements = [], []
+        # Most free slots first, ties to the lowest index: 0, 1, 0, 1.
+        for expected in ([1, 0], [1, 1], [2, 1], [2, 2]):
+            assert server.get("/ready?require_free_slot=1")[0] == 200
+            client, session_id = await open_client(server)
+            clients.append(client)
+            placements.append(placed_on(server, session_id))
+            assert live_per_device(server) == expected
+        assert placements == ["cpu#0", "cpu#1", "cpu#0", "cpu#1"]
+        assert server.metric('personaplex_device_sessions_live{device="cpu#0"}') == 2
+        assert server.metric('personaplex_device_slots_free{device="cpu#1"}') == 0
+        assert server.metric("personaplex_sessions_live") == 4 and server.metric("personaplex_max_sessions") == 4
+
+        # Full everywhere: the balancer check says so; plain /ready still says "up".
+        status, body = server.get("/ready?require_free_slot=1")
+        assert status == 503 and body["reason"] == "full" and body["free_slots"] == 0
+        assert server.get("/ready")[0] == 200
+        fifth = await Client.connect(server.ws + "/v1/realtime")
+        await fifth.send({"type": "session.update", "session": {}})
+        error = await fifth.next("error")
+        assert error["error"]["code"] == "resource_exhausted" and error["error"]["type"] == "rate_limit_error"
+        assert error["error"]["message"] == "duplex_session_capacity_exhausted: limit=4"
+        assert (await fifth.wait_closed())[0] == 1013
+
+        # Closing a session of cpu#1 frees a slot there, and the next session goes there.
+        await clients[1].send({"type": "session.close"})
+        await clients[1].wait_closed()
+        wait_live(server, [2, 1])
+        assert server.get("/ready?require_free_slot=1")[0] == 200
+        client, session_id = await open_client(server)
+        assert placed_on(server, session_id) == "cpu#1" and live_per_device(server) == [2, 2]
+        for c in clients + [client]:
+            await c.close()
+
+    run(scenario())
+    assert server.metric("personaplex_sessions_refused_total") == refused_before + 1
+    wait_live(server, [0, 0])
+
+
+def test_audio_flows_on_both_devices(two_cpu_server: Server):
+    """The same greedy session on each engine, fed the same speech, answers the same audio:
+    each engine steps its own sessions, and every frame reaches the session it belongs to."""
+    server = two_cpu_server
+    server.wait_free_slots(4)
+    ticks_before = [server.metric(f'personaplex_device_tick_duration_seconds_count{{device="cpu#{i}"}}')
+                    for i in (0, 1)]
+    frames = speech_frames(10)
+
+    async def scenario():
+        (a, id_a), (b, id_b) = await open_client(server), await open_client(server)
+        assert (placed_on(server, id_a), placed_on(server, id_b)) == ("cpu#0", "cpu#1")
+        for frame in frames:
+            await a.send(f32_append(frame))
+            await b.send(f32_append(frame))
+        pcm_a, pcm_b = await a.wait_audio_frames(10), await b.wait_audio_frames(10)
+        assert len(pcm_a) == len(pcm_b) == 10 * 1920
+        assert np.abs(pcm_a.astype(np.float32)).mean() > 0
+        np.testing.assert_array_equal(pcm_a, pcm_b)
+        assert all(e["metadata"]["session_id"] == id_a for e in a.audio())
+        assert all(e["metadata"]["session_id"] == id_b for e in b.audio())
+        await a.close()
+        await b.close()
+
+    run(scenario())
+    for i in (0, 1):
+        ticks = server.metric(f'personaplex_device_tick_duration_seconds_count{{device="cpu#{i}"}}')
+        assert ticks >= ticks_before[i] + 10
+    wait_live(server, [0, 0])
+
+
+@pytest.fixture(scope="module")
+def http_refusing_server():
+    """REFUSE_WHEN_FULL=http on two CPU engines of one slot each.  Its engines have random
+    weights at the tiny model's shapes (``random:tiny``): the random-checkpoint path of
+    ``random:personaplex-7b``, end to end, at a size a CPU runs."""
+    server = Server(devices="cpu,cpu", max_sessions=1, silence_grace_s=0, refuse_when_full="http",
+                    checkpoint="random:tiny")
+    yield server
+    server.stop()
+    server.assert_clean_log()
+
+
+def test_refuse_when_full_http_answers_503_before_the_websocket(http_refusing_server: Server):
+    server = http_refusing_server
+    server.wait_free_slots(2)
+    status, models = server.get("/v1/models")
+    assert status == 200 and models["data"][0]["root"] == "random-tiny" and models["data"][0]["demo"] is True
+    assert models["data"][0]["devices"] == ["cpu#0", "cpu#1"] and models["data"][0]["max_sessions"] == 2
+    assert "RANDOM WEIGHTS" in server.logs()
+    frames = speech_frames(3)
+
+    async def scenario():
+        (a, _), (b, _) = await open_client(server, voice="VARF0.pt"), await open_client(server)
+        for client in (a, b):  # random weights serve like any others
+            for frame in frames:
+                await client.send(f32_append(frame))
+            await client.wait_audio_frames(3)
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            await websockets.connect(server.ws + "/v1/realtime", proxy=None)
+        response = refused.value.response
+        assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+        assert json.loads(response.body) == {"error": {
+            "type": "rate_limit_error", "code": "resource_exhausted",
+            "message": "duplex_session_capacity_exhausted: limit=2"}}
+        await a.close()
+        server.wait_free_slots(1)
+        (c, _) = await open_client(server)  # a free slot again: the handshake is accepted
+        await b.close()
+        await c.close()
+
+    run(scenario())
+    assert server.metric("personaplex_sessions_refused_total") == 1
+
+
+# Settings -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("devices, message", [
+    ("0,0", "lists cuda:0 twice"),
+    ("cuda:1,1", "lists cuda:1 twice"),
+    ("gpu0", "'gpu0' is not a device"),
+    ("cuda", "'cuda' is not a device"),
+    ("all,0", "'all' cannot be combined"),
+    ("-1", "'-1' is not a device"),
+])
+def test_devices_setting_is_validated(devices: str, message: str):
+    with pytest.raises(SettingsError, match=message) as refused:
+        Settings.from_env({"PERSONAPLEX_DEVICES": devices})
+    assert "PERSONAPLEX_DEVICES" in str(refused.value)
+
+
+def test_devices_resolution(monkeypatch: pytest.MonkeyPatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert Settings().resolved_devices() == ["cpu"]  # unset: the one engine of PERSONAPLEX_DEVICE
+    assert Settings(device="cuda:3").resolved_devices() == ["cuda:3"]  # as before: not checked here
+    assert Settings.from_env({"PERSONAPLEX_DEVICES": "cpu, cpu"}).resolved_devices() == ["cpu", "cpu"]
+    with pytest.raises(SettingsError, match="set PERSONAPLEX_DEVICE or PERSONAPLEX_DEVICES"):
+        Settings(device="cpu", devices=("cpu",))
+    with pytest.raises(SettingsError, match=r"names cuda:0 but 0 CUDA device\(s\) are visible"):
+        Settings(devices=("0",)).resolved_devices()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SettingsError, match=r"names cuda:2 but 2 CUDA device\(s\) are visible"):
+        Settings(devices=("0", "2")).resolved_devices()
+    assert Settings(devices=("1", "cuda:0")).resolved_devices() == ["cuda:1", "cuda:0"]
+    assert Settings(devices=("all",)).resolved_devices() == ["cuda:0", "cuda:1"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(SettingsError, match="all but no CUDA device is visible"):
+        Settings(devices=("all",)).resolved_devices()
+
+
+def test_refuse_when_full_and_random_checkpoint_settings():
+    with pytest.raises(SettingsError, match="PERSONAPLEX_REFUSE_WHEN_FULL must be one of event, http"):
+        Settings(refuse_when_full="503")
+    assert Settings(checkpoint="random:personaplex-7b").checkpoint == "random:personaplex-7b"
+    with pytest.raises(SettingsError, match="unknown random model 'llama'; available: random:personaplex-7b"):
+        Settings(checkpoint="random:llama")
+    with pytest.raises(SettingsError, match="needs PERSONAPLEX_BACKEND=torch"):
+        Settings(checkpoint="random:personaplex-7b", backend="trtllm")
+    with pytest.raises(SettingsError, match="is not a directory"):
+        Settings(checkpoint="personaplex-7b")
+
+
+def test_random_7b_admission_is_the_real_checkpoints(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """On a GPU, derived max_sessions for random:personaplex-7b is what a checkpoint directory
+    of the real weights' size gets (a sparse file of that size stands in for it)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=150_000_000_000))  # an H200's ~140 GiB
+    with open(tmp_path / "model.safetensors", "wb") as weights:
+        weights.truncate(RANDOM_MODEL_BYTES["personaplex-7b"])
+    real = Settings(checkpoint=str(tmp_path)).resolved_max_sessions("cuda:0")
+    assert Settings(checkpoint="random:personaplex-7b").resolved_max_sessions("cuda:1") == real
+    assert 60 < real < 128 and Settings(checkpoint="random:tiny").resolved_max_sessions("cuda:0") > real
+    assert Settings(checkpoint="random:personaplex-7b", max_sessions=3).resolved_max_sessions("cuda:0") == 3
+
+
+def test_random_model_bytes_are_the_7b_parameter_bytes():
+    """The constant the settings use (they import no torch) is the 7B's weights: the LM in bf16
+    with all 16 depformer steps (as in model.safetensors) and Mimi in float32."""
+    import torch
+
+    from engines.config import LMConfig, MimiConfig
+    from engines.lm import MoshiLM
+    from engines.mimi import MimiCodec
+
+    with torch.device("meta"):
+        lm = MoshiLM(LMConfig(), 16)
+        mimi = MimiCodec(MimiConfig(), 1, device=torch.device("meta"))
+    expected = sum(p.numel() for p in lm.parameters()) * 2 + sum(p.numel() for p in mimi.parameters()) * 4
+    assert RANDOM_MODEL_BYTES["personaplex-7b"] == expected
+
+
+def test_random_checkpoint_builds_through_the_benchmark_engine(monkeypatch: pytest.MonkeyPatch):
+    """create_engine("random:personaplex-7b") is engines.bench.build_random_engine at the 7B
+    shapes with the tiny checkpoint's tokenizer and voice names (recorded, not built: 7B on CPU
+    is too slow; random:tiny builds for real in the server test above)."""
+    from engines import bench
+    from engines.config import LMConfig, MimiConfig
+    from engines.factory import create_engine
+    from engines.tiny import TINY_VOICES
+
+    calls = []
+    monkeypatch.setattr(bench, "build_random_engine", lambda *args, **kwargs: calls.append((args, kwargs)) or "built")
+    assert create_engine("random:personaplex-7b", max_slots=3, device="cpu", kv_cache="auto", compile="auto") == "built"
+    (args, kwargs), = calls
+    assert args[:2] == (3, "cpu") and args[2].name == "tokenizer_spm_32k_3.model"
+    assert kwargs["lm_cfg"] == LMConfig() and kwargs["mimi_cfg"] == MimiConfig()
+    assert kwargs["voice_names"] == tuple(TINY_VOICES) and kwargs["model_name"] == "random-personaplex-7b"
+    assert kwargs["compile"] is False  # auto: off on CPU, as for real checkpoints
+
+
+def test_random_voices_have_the_model_width():
+    from engines.factory import create_engine
+
+    engine = create_engine("random:tiny", max_slots=1, device="cpu")
+    assert engine.voices() == ["NATF2.pt", "NATM1.pt", "VARF0.pt"]
+    prompt = engine.voice_store.load("NATM1.pt")
+    assert prompt.embeddings.shape == (59, engine.cfg.dim) and prompt.cache.shape == (17, 4)
+    assert not prompt.embeddings.equal(engine.voice_store.load("NATF2.pt").embeddings)
+
+
+# Placement and metrics units ---------------------------------------------------------------------
+
+class FakeScheduler:
+    """What a DeviceEngine reads of its scheduler, set by hand."""
+
+    def __init__(self, state: str, device: str) -> None:
+        self.device = device
+        self.ready = threading.Event()
+        if state != "loading":
+            self.ready.set()
+        self.load_error = RuntimeError("out of memory") if state == "failed" else None
+        self.alive = state != "failed"
+        self.busy = None
+        self.failed_ticks_in_row = 0
+        self.info = None
+
+
+def make_pool(states: list[str], free: list[int], capacity: int = 2) -> EnginePool:
+    engines = []
+    for index, state in enumerate(states):
+        scheduler = FakeScheduler(state, f"cuda:{index}")
+        engine = DeviceEngine(index, scheduler.device, capacity, scheduler, watchdog_deadline_s=1.0,
+                              metrics=Metrics(), on_stall=lambda *args: None)
+        for _ in range(capacity - free[index]):
+            engine.admission.try_acquire()
+        if state == "stalled":  # a tick running for 5 s, past the 1 s deadline
+            scheduler.busy = EngineCall("tick", time.monotonic() - 5.0, 1)
+            engine.watchdog.check()
+        engines.append(engine)
+    return EnginePool(engines)
+
+
+def test_placement_prefers_serving_engines_with_most_free_slots():
+    pool = make_pool(["loading", "ready", "ready", "stalled", "failed"], free=[2, 1, 2, 2, 2])
+    assert [e.state for e in pool.engines] == ["loading", "ready", "ready", "stalled", "failed"]
+    assert pool.choose().label == "cuda:2"
+    assert pool.acquire().label == "cuda:2"  # now 1 free on both ready ones: the lower index
+    assert pool.acquire().label == "cuda:1"
+    assert pool.acquire().label == "cuda:2"
+    assert pool.acquire().label == "cuda:0"  # the ready ones are full: the loading one waits its load
+    assert pool.acquire().label == "cuda:0"
+    assert pool.choose() is None and pool.unavailable() is None
+    with pytest.raises(RuntimeError):
+        pool.acquire()
+
+
+def test_no_serving_engine_is_reported_per_device():
+    stalled = make_pool(["stalled", "failed"], free=[2, 2]).unavailable()
+    assert stalled.code == "engine_stalled" and stalled.message.startswith("cuda:0: engine stalled")
+    failed = make_pool(["failed", "failed"], free=[2, 2]).unavailable()
+    assert failed.code == "engine_unavailable"
+    assert failed.message == ("cuda:0: the model failed to load: out of memory; "
+                              "cuda:1: the model failed to load: out of memory")
+    single = make_pool(["failed"], free=[2]).unavailable()
+    assert single.message == "the model failed to load: out of memory"  # one engine: as before
+
+
+def test_device_labels_are_unique():
+    assert device_labels(["cuda:0", "cuda:1"]) == ["cuda:0", "cuda:1"]
+    assert device_labels(["cpu", "cuda:0", "cpu"]) == ["cpu#0", "cuda:0", "cpu#2"]
+
+
+def test_per_device_metrics_exposition():
+    metrics = Metrics()
+    metrics.devices = lambda: [{"device": "cuda:0", "ready": True, "state": "ready", "live_sessions": 3,
+                                "free_slots": 1, "max_sessions": 4},
+                               {"device": "cuda:1", "ready": False, "state": "stalled", "live_sessions": 0,
+                                "free_slots": 4, "max_sessions": 4}]
+    metrics.observe_tick(0.015, 3, 0, device="cuda:0")
+    metrics.observe_tick(0.05, 1, 0, device="cuda:0")
+    text = metrics.render()
+    assert 'personaplex_device_sessions_live{device="cuda:0"} 3' in text
+    assert 'personaplex_device_engine_stalled{device="cuda:1"} 1' in text
+    assert 'personaplex_device_ready{device="cuda:1"} 0' in text
+    assert 'personaplex_device_tick_duration_seconds_bucket{device="cuda:0",le="0.02"} 1' in text
+    assert 'personaplex_device_tick_duration_seconds_count{device="cuda:0"} 2' in text
+    assert 'personaplex_device_tick_duration_seconds_count{device="cuda:1"} 0' in text  # listed before its first tick
+    assert 'personaplex_device_batch_size_sum{device="cuda:0"} 4.0' in text
+    assert "personaplex_tick_duration_seconds_count 2" in text  # the unlabelled totals stay
+    families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+    assert len(families) == len(set(families))
+    for line in text.splitlines():
+        assert line.startswith("#") or len(line.rsplit(" ", 1)) == 2
+
+
+def test_one_failed_engine_leaves_the_server_healthy_and_serving():
+    """In process: the first engine built fails to load, the second serves.  /health stays 200
+    with the failed device in its detail, /ready is 200, placement skips the failed engine,
+    and the full refusal counts the whole capacity."""
+    from engines.factory import create_engine
+    from orchestrator.services import Services
+
+    built = []
+
+    def factory(*args, **kwargs):
+        built.append(kwargs["device"])
+        if len(built) == 1:
+            raise RuntimeError("CUDA error: out of memory (injected)")
+        return create_engine(*args, **kwargs)
+
+    async def scenario():
+        services = Services(Settings(devices=("cpu", "cpu"), max_sessions=1, auth="off", warmup_frames=0), factory)
+        services.start()
+        try:
+            for _ in range(600):
+                if not services.pool.loading:
+                    break
+                await asyncio.sleep(0.05)
+            assert [e.state for e in services.pool.engines] == ["failed", "ready"]
+            status, health = services.health()
+            assert status == 200 and health["status"] == "healthy"
+            assert health["devices"][0] == {"device": "cpu#0", "status": "unhealthy",
+                                            "reason": "the model failed to load: CUDA error: out of memory (injected)"}
+            assert health["devices"][1] == {"device": "cpu#1", "status": "healthy"}
+            status, ready = services.readiness(require_free_slot=True)
+            assert status == 200 and [d["state"] for d in ready["devices"]] == ["failed", "ready"]
+            assert services.place_session().label == "cpu#1"
+            error, reason = services.open_refusal()
+            assert (error.code, error.message, reason) == (
+                "resource_exhausted", "duplex_session_capacity_exhausted: limit=2", "full")
+            assert services.readiness(require_free_slot=True)[1]["reason"] == "full"
+        finally:
+            services.stop()
+
+    asyncio.run(scenario())
+
+
+def test_no_session_starts_while_another_engine_is_still_loading():
+    """In process: engine cpu#0 loads at once, cpu#1 is held in its load.  /ready stays 503
+    "loading" and a session placed on the ready engine does not open until cpu#1 is done
+    (an engine still compiling would take the interpreter from the other's ticks)."""
+    from engines.factory import create_engine
+    from engines.interface import SessionSpec
+    from orchestrator.services import Services
+
+    release = threading.Event()
+
+    def factory(*args, **kwargs):
+        engine = create_engine(*args, **kwargs)
+        if factory.calls == 1:  # the second engine built: held until released
+            assert release.wait(60)
+        factory.calls += 1
+        return engine
+
+    factory.calls = 0
+
+    async def scenario():
+        services = Services(Settings(devices=("cpu", "cpu"), max_sessions=1, auth="off", warmup_frames=0), factory)
+        services.start()
+        try:
+            for _ in range(600):
+                if services.pool.engines[0].serving:
+                    break
+                await asyncio.sleep(0.05)
+            assert [e.state for e in services.pool.engines] == ["ready", "loading"]
+            status, ready = services.readiness()
+            assert (status, ready["reason"]) == (503, "loading")
+            engine = services.place_session()
+            assert engine.label == "cpu#0"
+            waiting = asyncio.ensure_future(services.pool.wait_ready(engine, 30))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()  # its own engine is ready, but start-up is not over
+            release.set()
+            await asyncio.wait_for(waiting, 30)
+            await asyncio.wrap_future(engine.open("s1", SessionSpec()))
+            assert services.readiness()[0] == 200
+            await asyncio.wrap_future(engine.close("s1"))
+        finally:
+            release.set()
+            services.stop()
+
+    asyncio.run(scenario())
