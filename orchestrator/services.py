@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from typing import Any
 
 from .access import AccessPolicy
@@ -33,6 +34,7 @@ from .settings import Settings, SettingsError, env_name
 
 log = logging.getLogger(__name__)
 
+GIL_SWITCH_INTERVAL_S = 0.0005  # see start()
 LISTENER_POLL_S = 0.1  # how soon a closed listener (shutdown) starts the drain
 
 
@@ -74,6 +76,10 @@ class Services:
                         "nvidia/personaplex-7b-v1 checkpoint directory.")
         log.info("starting %d engine(s): backend=%s max_sessions=%d in all", len(self.pool.engines),
                  self.settings.backend, self.max_sessions)
+        # The engine threads release the interpreter lock around every GPU call and wait on
+        # the GPU; taking it back from a busy event loop costs up to one switch interval
+        # per call (5 ms by default, several times per tick).  A short interval bounds that.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.pool.start(self._loop, self.deliver)
         if self.settings.watchdog_deadline_s > 0:
             self._tasks.extend(asyncio.ensure_future(engine.watchdog.run()) for engine in self.pool.engines)
