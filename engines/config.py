@@ -26,6 +26,8 @@ DEFAULT_PERSONA = (
     "and engaging way."
 )
 DEFAULT_VOICE = "NATF2.pt"
+# Temporal KV cache storage: the model's dtype, or float8 with per-(position, head) scales.
+KV_CACHE_MODES = ("auto", "fp8")
 
 SAMPLE_RATE = 24000
 FRAME_RATE = 12.5

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .checkpoint import CheckpointFiles, SafetensorsReader, load_lm_tensors
-from .config import FRAME_SAMPLES
+from .config import FRAME_SAMPLES, KV_CACHE_MODES
 from .interface import EngineInfo, FrameOutput, InvalidSessionSpec, NoFreeSlot, SessionSpec
 from .lm import MoshiLM
 from .mimi import MimiCodec
@@ -33,7 +33,6 @@ from .voices import VoiceStore, check_voice_name
 
 log = logging.getLogger(__name__)
 
-KV_CACHE_MODES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from engines.config import KV_CACHE_MODES
 from engines.random_weights import RANDOM_MODEL_BYTES, random_model_name
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,6 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 CPU_DEFAULT_MAX_SESSIONS = 8
 # Upper bound of the derived default; the engine allocates one KV window per slot up front.
 DERIVED_MAX_SESSIONS_CAP = 128
-KV_CACHE_MODES = ("auto", "fp8")
 BACKENDS = ("torch", "trtllm")  # engines.factory.BACKENDS (not imported: no torch here)
 # One PersonaPlex-7B session's full temporal window (32 layers x 32 heads x 3000 x 128, K+V):
 # 1.57 GB in bf16; fp8 halves it and adds 4 bytes of scale per 128 (engines.modules.kv_ring).
