@@ -1,0 +1,129 @@
+"""The capacity tool (tests/e2e/online_serving/capacity.py): argument checks, and one real run
+of two layouts (one server process; one process per device) with the tiny demo model on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.online_serving import capacity
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tool(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    # The servers inherit the environment: no checkpoint (the tiny demo model), and one intra-op
+    # thread, as for the soak (torch's default of one per core makes ticks slow on a busy box).
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PERSONAPLEX_") or k == "PERSONAPLEX_CACHE_DIR"}
+    return subprocess.run([sys.executable, "-m", "tests.e2e.online_serving.capacity", *args], check=False,
+                          cwd=REPO,
+                          env={**clean, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True, timeout=240)
+
+
+def test_two_layouts_end_to_end(speech_wav: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = _tool(["--layout", "process:cpu", "--layout", "split:cpu,cpu", "--sessions-per-device", "2",
+                  "--load-frames", "25", "--drivers-per-server", "1", "--input-wav", str(speech_wav),
+                  "--output-dir", str(out)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((out / "capacity.json").read_text())
+    assert report["complete"] is True and report["command"] and report["date_utc"] and report["hostname"]
+    assert [r["layout"] for r in report["layouts"]] == ["process:cpu", "split:cpu,cpu"]
+    single, split = report["layouts"]
+    assert (single["servers"], split["servers"]) == (1, 2)
+    assert (single["sessions_requested"], split["sessions_requested"]) == (2, 4)
+    for layout in (single, split):
+        assert layout["ok"] is True and layout["errors"] == []
+        assert layout["sessions_admitted"] == layout["sessions_ok"] == layout["sessions_requested"]
+        assert layout["startup_s"] > 0
+        ticks = layout["ticks"]
+        assert ticks["ticks"] >= 25 and ticks["mean_tick_ms"] > 0 and ticks["mean_batch_size"] > 0
+        assert 0 < ticks["ticks_le_80ms_fraction"] <= 1
+        assert layout["ticks_per_device"] and all(d["ticks"] > 0 for d in layout["ticks_per_device"])
+        assert layout["sessions"]["first_audio_ms"][1] > 0
+        assert layout["sessions"]["frame_deficit"][1] <= 4
+    assert {d["server"] for d in split["ticks_per_device"]} == {0, 1}
+    assert len(split["drivers"]) == 2
+    assert "process:cpu" in done.stdout and "split:cpu,cpu" in done.stdout and "OK;" in done.stdout
+    assert list(out.glob("*/server-*.log")) and list(out.glob("*/driver-*/load-result.json"))
+
+    # A second run into the same directory refuses before starting anything.
+    again = _tool(["--layout", "process:cpu", "--sessions-per-device", "2", "--input-wav", str(speech_wav),
+                   "--output-dir", str(out)])
+    assert again.returncode == 2 and "exists" in again.stderr
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("cpu", "expected process:DEVICES"),
+    ("gpu:0", "expected process:DEVICES"),
+    ("split:", "expected process:DEVICES"),
+    ("process:0,0", "twice"),
+    ("split:0,cuda:0", "twice"),
+    ("process:all", "list the devices"),
+    ("process:x", "not a device"),
+])
+def test_bad_layouts(layout: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    wav = tmp_path / "in.wav"
+    wav.write_bytes(b"")
+    assert capacity.main(["--layout", layout, "--sessions-per-device", "2", "--input-wav", str(wav),
+                          "--output-dir", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--sessions-per-device", "0"], "--sessions-per-device must be >= 1"),
+    (["--sessions-per-device", "1"], "multi-session"),
+    (["--sessions-per-device", "2", "--load-frames", "0"], "--load-frames must be >= 1"),
+    (["--sessions-per-device", "2", "--drivers-per-server", "0"], "--drivers-per-server must be >= 1"),
+])
+def test_bad_numbers(extra: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    wav = tmp_path / "in.wav"
+    wav.write_bytes(b"")
+    assert capacity.main(["--layout", "process:0", "--input-wav", str(wav), "--output-dir", str(tmp_path),
+                          *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_wav_and_existing_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--layout", "split:0,1", "--sessions-per-device", "4", "--output-dir", str(tmp_path)]
+    assert capacity.main([*common, "--input-wav", str(tmp_path / "absent.wav")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    wav = tmp_path / "in.wav"
+    wav.write_bytes(b"")
+    (tmp_path / "capacity.json").write_text("{}")
+    assert capacity.main([*common, "--input-wav", str(wav)]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err
+    assert (tmp_path / "capacity.json").read_text() == "{}"
+
+
+def test_sessions_split_over_drivers() -> None:
+    assert capacity.split_sessions(4, 1) == [4]
+    assert capacity.split_sessions(5, 2) == [3, 2]
+    assert capacity.split_sessions(1, 3) == [1]  # no driver without sessions
+    assert capacity.split_sessions(256, 2) == [64] * 4  # the driver takes at most 64
+
+
+def test_tick_stats_from_histogram_deltas() -> None:
+    def scrape(count: int, total: float, le60: int, le80: int, batch: float) -> capacity.Samples:
+        lines = [f'personaplex_device_tick_duration_seconds_bucket{{device="cuda:0",le="0.06"}} {le60}',
+                 f'personaplex_device_tick_duration_seconds_bucket{{device="cuda:0",le="0.08"}} {le80}',
+                 f'personaplex_device_tick_duration_seconds_sum{{device="cuda:0"}} {total}',
+                 f'personaplex_device_tick_duration_seconds_count{{device="cuda:0"}} {count}',
+                 f'personaplex_device_batch_size_sum{{device="cuda:0"}} {batch}',
+                 "# HELP personaplex_ticks_total Lockstep ticks run."]
+        return capacity.parse_metrics("\n".join(lines))
+
+    stats = capacity.tick_stats(scrape(10, 0.5, 10, 10, 10), scrape(110, 6.5, 60, 90, 6410),
+                                "personaplex_device", "cuda:0")
+    assert stats["ticks"] == 100
+    assert stats["mean_tick_ms"] == pytest.approx(60.0)
+    assert stats["mean_batch_size"] == pytest.approx(64.0)
+    assert stats["ticks_le_60ms_fraction"] == pytest.approx(0.5)
+    assert stats["ticks_le_80ms_fraction"] == pytest.approx(0.8)
+    merged = capacity.merge_tick_stats([stats, {**stats, "ticks": 300, "mean_tick_ms": 20.0}])
+    assert merged["ticks"] == 400 and merged["mean_tick_ms"] == pytest.approx(30.0)
