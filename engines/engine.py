@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .checkpoint import CheckpointFiles, SafetensorsReader, load_lm_tensors
+from .compiled import compile_dynamic
 from .config import FRAME_SAMPLES, KV_CACHE_MODES
 from .interface import EngineInfo, FrameOutput, InvalidSessionSpec, NoFreeSlot, SessionSpec
 from .lm import MoshiLM
@@ -114,19 +115,6 @@ class _SlotSettings:
         return sample_tokens(logits, batch, noise)
 
 
-# Compiled variants one engine keeps per function: a size-1 and a dynamic batch, per module
-# instance (the encoder and decoder share SEANet's code), per device (one engine per GPU).
-COMPILED_VARIANTS = 64
-
-
-def _allow_compiled_variants() -> None:
-    """Raise dynamo's per-function variant limit (8 by default): past it a function quietly
-    falls back to eager, which a server with one engine per GPU would reach."""
-    import torch._dynamo.config as dynamo_config
-
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, COMPILED_VARIANTS)
-
-
 class PersonaPlexEngine:
     def __init__(
         self,
@@ -168,12 +156,11 @@ class PersonaPlexEngine:
         # Per-stream hash salts as device scalars: a graph-safe, compile-friendly argument.
         self._salts = torch.tensor([stream_salt(k) for k in range(cfg.num_streams)], device=self.device)
         if options.compile:
-            _allow_compiled_variants()
             lm.compile_blocks()
             mimi.compile_steps()
             self.kv.compile_quantizer()
-            self._noise = torch.compile(exponential_noise, dynamic=True, fullgraph=True)
-            self._sample_static = torch.compile(_sample_static, dynamic=True)
+            self._noise = compile_dynamic(exponential_noise)
+            self._sample_static = compile_dynamic(_sample_static, fullgraph=False)
         self.graphs = None
         self.prefill_graphs = None
         if self.device.type == "cuda" and options.cuda_graphs:

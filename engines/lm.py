@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compiled import compile_dynamic
 from .config import LMConfig
 from .modules.kv_ring import SlotKVRing, WindowMode, window_start
 from .modules.layers import embed, gated_ffn, linear, rms_norm
@@ -116,9 +117,9 @@ class MoshiLM(nn.Module):
         temporal transformer and the depformer.  Changes rounding only (float32 statistics
         are kept); the CPU reference path never calls this.
         """
-        self._attention_input = torch.compile(attention_input, dynamic=True, fullgraph=True)
-        self._attention_output_ffn = torch.compile(attention_output_ffn, dynamic=True, fullgraph=True)
-        self._embed_streams = torch.compile(embed_streams, dynamic=True, fullgraph=True)
+        self._attention_input = compile_dynamic(attention_input)
+        self._attention_output_ffn = compile_dynamic(attention_output_ffn)
+        self._embed_streams = compile_dynamic(embed_streams)
 
     @property
     def dtype(self) -> torch.dtype:

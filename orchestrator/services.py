@@ -3,7 +3,7 @@ admission and watchdogs: ``engine_pool.py``), metrics and the registry of open s
 access control and the drain.  Lives on the event loop; only the schedulers have threads.
 
 Health with several engines: the process is healthy while at least one engine can serve,
-and ready while at least one is serving; each engine's own state is in the bodies (and in
+and ready once every engine has finished loading and at least one is serving; each engine's own state is in the bodies (and in
 the ``personaplex_device_*`` metrics).  Restarting the process for one bad GPU would end
 every session of the good ones; a process whose every engine is down is replaced.
 
@@ -200,9 +200,9 @@ class Services:
 
     def readiness(self, require_free_slot: bool = False) -> tuple[int, dict[str, Any]]:
         """200 once start-up is over (no engine still loading), some engine is serving and
-        the server is not draining; with
-        ``require_free_slot``, also 503 ``"reason": "full"`` when a new session would be
-        refused for capacity (what a balancer's health check asks)."""
+        the server is not draining; with ``require_free_slot``, also 503 ``"reason": "full"``
+        when a new session would be refused for capacity (what a balancer's health check
+        asks)."""
         pool = self.pool
         reason = None
         if self.draining:

@@ -75,9 +75,10 @@ class MimiCodec(nn.Module):
 
         Eagerly a step is hundreds of small kernels (state gathers and scatters, layout
         changes, norms, ELUs around each convolution); compiled, inductor fuses them around
-        the convolutions and GEMMs.  The transformers' KV rings stay outside the compiled
-        code: a ring written inside it would be functionalised into a copy of every slot's
-        ring per call (1 GB each at 129 slots), while the SEANet states are small.
+        the convolutions and GEMMs.  The transformers' KV-ring writes and attention stay
+        eager between compiled layer halves: compiling each whole step, rings included,
+        made the B=1 tick slower on the H200 (18.05 against 12.70 ms, docs/PERFORMANCE.md;
+        the cause was not profiled), while compiling these pieces made it faster.
         Dynamic shapes: one compilation serves every batch bucket.  The CPU reference
         path never calls this (its batch-invariant kernels are not traceable).
         """

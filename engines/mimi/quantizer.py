@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.compiled import compile_dynamic
 from engines.config import QuantizerConfig
 from engines.mimi import ops
 from engines.mimi.checkpoint import CheckpointTensors, copy_into
@@ -40,8 +41,8 @@ class SplitQuantizer(nn.Module):
 
     def compile_streaming(self) -> None:
         """Compile the streaming (batch-invariant) encode and decode (GPU fast path)."""
-        self._encode_streaming = torch.compile(self._encode, dynamic=True, fullgraph=True)
-        self._decode_streaming = torch.compile(self._decode, dynamic=True, fullgraph=True)
+        self._encode_streaming = compile_dynamic(self._encode)
+        self._decode_streaming = compile_dynamic(self._decode)
 
     def load(self, ckpt: CheckpointTensors, prefix: str = "quantizer") -> None:
         for half in ("first", "rest"):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.compiled import compile_dynamic
 from engines.config import SeanetConfig
 from engines.mimi.checkpoint import CheckpointTensors
 from engines.mimi.conv import SlotConv1d, SlotConvTranspose1d
@@ -47,7 +48,7 @@ class _Stack(nn.Module):
 
     def compile_streaming(self) -> None:
         """Compile the streaming pass (GPU fast path; see ``MimiCodec.compile_steps``)."""
-        self._streaming = torch.compile(self._run, dynamic=True, fullgraph=True)
+        self._streaming = compile_dynamic(self._run)
 
     def _add(self, layer: nn.Module, elu_first: bool = False) -> None:
         if elu_first:

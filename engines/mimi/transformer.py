@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engines.compiled import compile_dynamic
 from engines.config import MimiTransformerConfig
 from engines.mimi import ops
 from engines.mimi.checkpoint import CheckpointTensors, copy_into
@@ -110,8 +111,7 @@ class MimiTransformer(nn.Module):
     def compile_layers(self) -> None:
         """Compile the layer halves of the streaming step (GPU fast path; the KV ring's
         writes and the attention between them stay eager, see ``MimiCodec.compile_steps``)."""
-        self._streaming_halves = (torch.compile(_attention_input, dynamic=True, fullgraph=True),
-                                  torch.compile(_attention_output_ffn, dynamic=True, fullgraph=True))
+        self._streaming_halves = (compile_dynamic(_attention_input), compile_dynamic(_attention_output_ffn))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for ``positions``, computed once and shared by every layer."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..compiled import compile_dynamic
 from ..gpu import attention as gpu_attention
 
 
@@ -111,7 +112,7 @@ class SlotKVRing:
 
     def compile_quantizer(self) -> None:
         """Fuse the fp8 write path (amax, scale, cast) into one kernel (GPU fast path)."""
-        self._quantize = torch.compile(quantize_fp8, dynamic=True, fullgraph=True)
+        self._quantize = compile_dynamic(quantize_fp8)
 
     @property
     def num_slots(self) -> int:
