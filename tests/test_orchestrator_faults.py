@@ -14,16 +14,18 @@ from orchestrator.fault_injection import FaultPlan, FaultPlanError
 from tests.orch_support import Client, Server, f32_append, run, speech_frames
 
 PLANS = ("persona=FAULT-SLOT,mode=slot,after=6; persona=FAULT-EARLY,mode=slot_early,after=6; "
-         "persona=FAULT-BATCH,mode=batch,after=6; persona=FAULT-HANG,mode=hang,after=4,seconds=3; "
+         "persona=FAULT-BATCH,mode=batch,after=6; persona=FAULT-HANG,mode=hang,after=4,seconds=5; "
          "persona=FAULT-RESTART,mode=restart,after=4")
 BYSTANDER = "You are a concise and helpful assistant."
 
 
 @pytest.fixture(scope="module")
 def faulty_server():
-    """Four sessions, greedy-friendly (no silence feeding), a 1 s watchdog, and a long batch
-    window so that sessions streaming together share their ticks."""
-    server = Server(max_sessions=4, silence_grace_s=0, batch_window_ms=500, watchdog_deadline_s=1.0,
+    """Four sessions, greedy-friendly (no silence feeding), a 2 s watchdog, and a long batch
+    window so that sessions streaming together share their ticks.  The watchdog has to tell
+    the injected 5 s hang from an honest step or prefill on a busy 2-core machine: at 1 s,
+    an overloaded run saw a slot fault reported as a stall."""
+    server = Server(max_sessions=4, silence_grace_s=0, batch_window_ms=500, watchdog_deadline_s=2.0,
                     fault_injection=PLANS)
     yield server
     server.stop()
@@ -123,7 +125,7 @@ def test_stuck_tick_is_seen_by_the_watchdog(faulty_server: Server):
 
     async def scenario():
         victim = await open_session(faulty_server, "FAULT-HANG persona")
-        await stream([victim], speech_frames(8))  # its 4th step sleeps 3 s
+        await stream([victim], speech_frames(8))  # its 4th step sleeps 5 s
         error = await victim.next("error", timeout=30)
         assert error["error"]["code"] == "engine_stalled" and error["error"]["retryable"] is True
         status, body = await asyncio.to_thread(faulty_server.get, "/health")
@@ -170,7 +172,7 @@ def test_failed_restart_closes_only_that_session(faulty_server: Server):
 def test_fault_plans_are_checked():
     plans = FaultPlan.parse_all(PLANS)
     assert [p.mode for p in plans] == ["slot", "slot_early", "batch", "hang", "restart"]
-    assert plans[3].seconds == 3.0 and plans[0].after == 6 and plans[0].times == 1
+    assert plans[3].seconds == 5.0 and plans[0].after == 6 and plans[0].times == 1
     for bad in ("", "mode=slot", "persona=x,mode=explode", "persona=x,mode=slot,after=0", "persona=x,mode=slot,when=1",
                 "persona=x,mode=slot,after=soon", "persona"):
         with pytest.raises(FaultPlanError):
