@@ -28,6 +28,8 @@ DEFAULT_PERSONA = (
 DEFAULT_VOICE = "NATF2.pt"
 # Temporal KV cache storage: the model's dtype, or float8 with per-(position, head) scales.
 KV_CACHE_MODES = ("auto", "fp8")
+# torch.compile of the GPU pieces: on, off, or on for CUDA devices only.
+COMPILE_MODES = ("auto", "on", "off")
 
 SAMPLE_RATE = 24000
 FRAME_RATE = 12.5

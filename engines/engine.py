@@ -21,7 +21,7 @@ import torch
 from .checkpoint import CheckpointFiles, SafetensorsReader, load_lm_tensors
 from .compiled import compile_dynamic
 from .config import FRAME_SAMPLES, KV_CACHE_MODES
-from .interface import EngineInfo, FrameOutput, InvalidSessionSpec, NoFreeSlot, SessionSpec
+from .interface import EngineInfo, FrameOutput, NoFreeSlot, SessionSpec
 from .lm import MoshiLM
 from .mimi import MimiCodec
 from .modules.kv_ring import SlotKVRing, WindowMode
@@ -30,7 +30,7 @@ from .profiling import StageClock
 from .sampling import STATIC_TOP_K, SamplingBatch, exponential_noise, sample_tokens, stream_salt
 from .token_state import TokenState
 from .tokenizer import TextTokenizer
-from .voices import VoiceStore, check_voice_name
+from .voices import VoiceStore
 
 log = logging.getLogger(__name__)
 
@@ -212,9 +212,7 @@ class PersonaPlexEngine:
         return self.voice_store.names()
 
     def validate(self, spec: SessionSpec) -> None:
-        check_voice_name(spec.voice)
-        if spec.voice not in self.voice_store.names():
-            raise InvalidSessionSpec(f"unknown voice {spec.voice!r}; available: {', '.join(self.voices()) or 'none'}")
+        self.voice_store.check(spec.voice)
 
     def prepare(self, spec: SessionSpec) -> Prefill:
         persona = tuple(self.tokenizer.persona_tokens(spec.effective_persona))

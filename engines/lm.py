@@ -60,6 +60,13 @@ def attention_output_ffn(x: torch.Tensor, attn: torch.Tensor, out_proj: torch.Te
     return x + gated_ffn(rms_norm(x, norm, eps), ffn_in, ffn_out)
 
 
+def depformer_first_visible(step: int, dep_q: int, window: str) -> int:
+    """Lowest depformer step that step ``step`` attends to.  The reference's per-frame ring
+    holds ``dep_q`` entries (of the model, not of the steps we run), so with all 16 steps the
+    last one cannot see step 0 in reference window mode."""
+    return max(int(window_start(step, step + 1, dep_q, window)), 0)
+
+
 class TemporalLayer(nn.Module):
     def __init__(self, cfg: LMConfig) -> None:
         super().__init__()
@@ -190,16 +197,12 @@ class MoshiLM(nn.Module):
         n_layers = cfg.depformer_num_layers
         keys = hidden.new_zeros(n_layers, B, H, steps, Dh)
         values = torch.zeros_like(keys)
-        # The reference's per-frame ring holds dep_q entries (of the model, not of the steps
-        # we run), so its last step cannot see step 0 in reference window mode.
-        capacity = cfg.dep_q
         samples = []
         prev = first_token
         for k in range(steps):
             table = self.depformer_text_emb if k == 0 else self.depformer_emb[k - 1]
             x = (linear(hidden, self.depformer_in[k]) + embed(table, prev)).unsqueeze(1)
-            lo = window_start(torch.tensor([[k]]), torch.tensor([[k + 1]]), capacity, window).item()
-            lo = max(lo, 0)
+            lo = depformer_first_visible(k, cfg.dep_q, window)
             for i, layer in enumerate(self.depformer_layers):
                 q, kk, vv = self._attention_input(x, layer.norm1, layer.in_proj[k], H, cfg.norm_eps, None)
                 keys[i, :, :, k] = kk[:, :, 0]

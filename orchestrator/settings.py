@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from engines.config import KV_CACHE_MODES
+from engines.config import COMPILE_MODES, KV_CACHE_MODES
 from engines.random_weights import RANDOM_MODEL_BYTES, random_model_name
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class Settings:
             raise SettingsError(f"{env_name('max_sessions')} must be in [1, 4096], got {self.max_sessions!r}")
         if self.session_memory_gb is not None:
             positive("session_memory_gb")
-        if self.compile not in ("auto", "on", "off"):
+        if self.compile not in COMPILE_MODES:
             raise SettingsError(f"{env_name('compile')} must be auto, on or off, got {self.compile!r}")
         if self.kv_cache not in KV_CACHE_MODES:
             raise SettingsError(f"{env_name('kv_cache')} must be one of {', '.join(KV_CACHE_MODES)}, "

@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..trtllm.layout import BuildLayout
+
 MANIFEST_VERSION = 1
 
 
@@ -56,11 +58,11 @@ class Manifest:
 
     @property
     def path(self) -> Path:
-        return self.root / "manifest.json"
+        return BuildLayout(self.root).manifest
 
     @classmethod
     def read(cls, root: Path) -> Manifest | None:
-        path = root / "manifest.json"
+        path = BuildLayout(root).manifest
         if not path.is_file():
             return None
         try:

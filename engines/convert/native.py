@@ -27,6 +27,7 @@ from ..mimi import MimiCodec
 from ..prefill import plan_prompt, prompt_embeddings
 from ..tokenizer import TextTokenizer
 from ..trtllm.native import (
+    EMBEDDING_KEYS,
     partial_lm,
     prefill_file_name,
     stored_prefill,
@@ -48,7 +49,7 @@ def write_embeddings(reader: SafetensorsReader, files: CheckpointFiles, dtype: t
     """The 16 audio tables and the text table, in the engine dtype: the per-tick input
     embedding is their 17-way sum (audio streams first, then text, as the reference)."""
     io = lm_io_tensors(reader, files.lm_config, convert=lambda t: t.to(dtype))
-    save_file({k: io[k].contiguous() for k in ("emb", "text_emb")}, str(atomic_path(path)))
+    save_file({k: io[k].contiguous() for k in EMBEDDING_KEYS}, str(atomic_path(path)))
     return [commit(path)]
 
 
@@ -120,7 +121,7 @@ def write_prefills(reader: SafetensorsReader, files: CheckpointFiles, dtype: tor
     """
     cfg = files.lm_config
     io = lm_io_tensors(reader, cfg, convert=lambda t: t.to(dtype))
-    lm = partial_lm(cfg, 1, {"emb": io["emb"], "text_emb": io["text_emb"]})
+    lm = partial_lm(cfg, 1, {k: io[k] for k in EMBEDDING_KEYS})
     persona = tuple(TextTokenizer(files.tokenizer).persona_tokens(DEFAULT_PERSONA))
     store = voice_store(files)
     directory.mkdir(parents=True, exist_ok=True)

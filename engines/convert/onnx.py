@@ -14,6 +14,8 @@ import torch
 from ..checkpoint import CheckpointFiles, SafetensorsReader, depformer_tensors
 from ..mimi import MimiCodec
 from ..modules.kv_ring import WindowMode
+from ..onnx_export import export_depformer_onnx, export_mimi_onnx
+from ..onnx_export.state import LAYOUT_KEY
 from ..trtllm.layout import BuildLayout
 from ..trtllm.native import partial_lm
 
@@ -22,16 +24,6 @@ log = logging.getLogger(__name__)
 DEPFORMER_FILE = "depformer.onnx"
 DEPFORMER_LAYOUT = "depformer_onnx.json"
 MIMI_LAYOUTS = "mimi_onnx.json"  # written by export_mimi_onnx
-
-
-def _exporters():
-    try:
-        from ..onnx_export import export_depformer_onnx, export_mimi_onnx
-        from ..onnx_export.state import LAYOUT_KEY
-    except ImportError as exc:
-        raise ValueError(f"the ONNX exporters cannot be imported ({exc}); install onnx and onnxscript, "
-                         "or pass --skip-onnx") from None
-    return export_mimi_onnx, export_depformer_onnx, LAYOUT_KEY
 
 
 def _onnx_layout(path: Path, key: str) -> dict:
@@ -44,9 +36,9 @@ def _onnx_layout(path: Path, key: str) -> dict:
 
 def export_all(files: CheckpointFiles, reader: SafetensorsReader, layout: BuildLayout, depformer_steps: int) -> list[Path]:
     """Export both graphs (float32, the reference attention window) into ``layout.onnx``."""
-    export_mimi_onnx, export_depformer_onnx, layout_key = _exporters()
+    # A missing onnx / onnxscript raises ImportError in export_graph; reported below.
     try:
-        return _export(files, reader, layout, depformer_steps, export_mimi_onnx, export_depformer_onnx, layout_key)
+        return _export(files, reader, layout, depformer_steps)
     except Exception as exc:  # the exporter's torch.export errors come in many types
         log.debug("ONNX export failed", exc_info=True)
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()  # torch colours its messages
@@ -55,7 +47,7 @@ def export_all(files: CheckpointFiles, reader: SafetensorsReader, layout: BuildL
                          "the details, or pass --skip-onnx to convert without the ONNX graphs") from None
 
 
-def _export(files, reader, layout, depformer_steps, export_mimi_onnx, export_depformer_onnx, layout_key) -> list[Path]:
+def _export(files: CheckpointFiles, reader: SafetensorsReader, layout: BuildLayout, depformer_steps: int) -> list[Path]:
     out = layout.onnx
     out.mkdir(parents=True, exist_ok=True)
     state = SafetensorsReader(files.mimi_weights).state_dict()
@@ -66,7 +58,7 @@ def _export(files, reader, layout, depformer_steps, export_mimi_onnx, export_dep
     depformer = Path(export_depformer_onnx(lm, out / DEPFORMER_FILE, steps=depformer_steps,
                                            window=WindowMode.REFERENCE))
     (out / DEPFORMER_LAYOUT).write_text(json.dumps({"file": depformer.name, "window": WindowMode.REFERENCE,
-                                                    "layout": _onnx_layout(depformer, layout_key)}, indent=2) + "\n")
+                                                    "layout": _onnx_layout(depformer, LAYOUT_KEY)}, indent=2) + "\n")
     written += [depformer, out / DEPFORMER_LAYOUT]
     data = depformer.with_name(depformer.name + ".data")  # external weights of a large depformer
     if data.is_file():

@@ -12,6 +12,7 @@ import shlex
 from pathlib import Path
 
 from ..trtllm.layout import BuildLayout, BuildMeta
+from ..trtllm.slots import blocks_per_slot
 
 
 def trtllm_build_args(layout: BuildLayout, meta: BuildMeta) -> list[str]:
@@ -65,7 +66,7 @@ def _command(args: list[str]) -> str:
 def render(layout: BuildLayout, meta: BuildMeta, graphs: list[tuple[Path, dict]]) -> str:
     """The README text; ``graphs`` are the exported (ONNX file, tensor layout) pairs."""
     window_ref, window_full = meta.context - 1, meta.context
-    blocks = -(-window_ref // meta.tokens_per_block)
+    blocks = blocks_per_slot(window_ref, meta.tokens_per_block)
     kv = "FP8 (e4m3, uncalibrated per-layer scale; see docs/TRTLLM.md)" if meta.kv_cache_dtype == "fp8" else meta.dtype
     text = f"""# {meta.model_name}: TensorRT-LLM build directory
 

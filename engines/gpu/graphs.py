@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import FRAME_SAMPLES
+
 log = logging.getLogger(__name__)
 
 
@@ -23,7 +25,7 @@ log = logging.getLogger(__name__)
 class _Graph:
     graph: torch.cuda.CUDAGraph
     slots: torch.Tensor  # [bucket] int64, device
-    pcm: torch.Tensor  # [bucket, 1920] float32, device
+    pcm: torch.Tensor  # [bucket, FRAME_SAMPLES] float32, device
     out_pcm: torch.Tensor
     out_text: torch.Tensor
 
@@ -36,13 +38,13 @@ class TickGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         # Pinned staging buffers: the per-tick uploads are true async copies, with no
         # allocation on the tick path.
-        self._host_pcm = torch.empty((max(self.buckets), 1920), dtype=torch.float32).pin_memory()
+        self._host_pcm = torch.empty((max(self.buckets), FRAME_SAMPLES), dtype=torch.float32).pin_memory()
         self._host_slots = torch.empty(max(self.buckets), dtype=torch.long).pin_memory()
         # Results land in pinned buffers too: one synchronisation, then numpy views.  Each
         # torch call from Python gives up the interpreter lock, and a server thread busy
         # with websockets may hold it for a while before handing it back: the tick makes as
         # few host-side torch calls as it can.
-        self._out_pcm = torch.empty((max(self.buckets), 1920), dtype=torch.float32).pin_memory()
+        self._out_pcm = torch.empty((max(self.buckets), FRAME_SAMPLES), dtype=torch.float32).pin_memory()
         self._out_text = torch.empty(max(self.buckets), dtype=torch.long).pin_memory()
 
     def bucket_for(self, batch: int) -> int:
@@ -67,7 +69,7 @@ class TickGraphs:
         engine = self.engine
         dev = engine.device
         slots = torch.full((bucket,), engine.scratch, device=dev, dtype=torch.long)
-        pcm = torch.zeros(bucket, 1920, device=dev, dtype=torch.float32)
+        pcm = torch.zeros(bucket, FRAME_SAMPLES, device=dev, dtype=torch.float32)
         clock_enabled, engine.clock.enabled = engine.clock.enabled, False
         try:
             with torch.inference_mode():

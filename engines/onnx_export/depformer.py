@@ -28,7 +28,7 @@ from pathlib import Path
 from engines.lm import MoshiLM
 from engines.modules.kv_ring import WindowMode
 from engines.onnx_export.depformer_graph import DepformerGraph
-from engines.onnx_export.exporter import DEFAULT_OPSET, example_inputs, export_graph
+from engines.onnx_export.exporter import DEFAULT_OPSET, export_graph
 from engines.sampling import STATIC_TOP_K
 
 log = logging.getLogger(__name__)
@@ -38,5 +38,4 @@ def export_depformer_onnx(lm: MoshiLM, out_path: Path, *, steps: int = 8, opset:
                           window: str = WindowMode.REFERENCE, top_k_max: int = STATIC_TOP_K,
                           external_data: bool | None = None) -> Path:
     graph = DepformerGraph(lm, steps, window=window, top_k_max=top_k_max)
-    return export_graph(graph, example_inputs(graph.layout), graph.layout, Path(out_path),
-                        opset=opset, external_data=external_data)
+    return export_graph(graph, Path(out_path), opset=opset, external_data=external_data)

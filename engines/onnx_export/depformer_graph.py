@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.lm import MoshiLM
-from engines.modules.kv_ring import WindowMode, window_start
+from engines.lm import MoshiLM, depformer_first_visible
+from engines.modules.kv_ring import WindowMode
 from engines.modules.layers import embed, rms_norm
 from engines.onnx_export.state import GraphTensor, StepLayout
 from engines.sampling import (
@@ -57,9 +57,8 @@ class DepformerGraph(nn.Module):
         self.num_heads, self.head_dim, self.eps = cfg.depformer_num_heads, cfg.depformer_head_dim, cfg.norm_eps
         # TopK needs a static width; a session's larger top_k is clamped, as in the engine's graphed path.
         self.top_k_max = min(top_k_max, cfg.card)
-        # The reference's per-frame ring holds dep_q entries, so with all 16 steps the last
-        # one cannot see step 0 in reference mode: a static lower bound per step.
-        self.first_visible = [max(window_start(k, k + 1, cfg.dep_q, window), 0) for k in range(steps)]
+        # A static lower bound per step (the graph has no per-frame ring).
+        self.first_visible = [depformer_first_visible(k, cfg.dep_q, window) for k in range(steps)]
 
         def weight(t: torch.Tensor, transpose: bool = False) -> torch.Tensor:
             # float32 on CPU, matmul-ready ([in, out]) so the graph holds no Transpose/Gather of weights.

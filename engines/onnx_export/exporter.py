@@ -17,7 +17,6 @@ import inspect
 import logging
 import time
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -71,14 +70,17 @@ def batch_dynamic_shapes(module: nn.Module, num_args: int, batch: torch.export.D
     return shapes
 
 
-def export_graph(module: nn.Module, args: Sequence[torch.Tensor], layout: StepLayout, path: Path, *,
-                 opset: int = DEFAULT_OPSET, external_data: bool | None = None) -> Path:
-    """Export ``module(*args)`` to ``path`` with ``layout``'s tensor names and a dynamic batch.
+def export_graph(module: nn.Module, path: Path, *, opset: int = DEFAULT_OPSET,
+                 external_data: bool | None = None) -> Path:
+    """Export ``module`` to ``path`` with its ``layout``'s tensor names and a dynamic batch,
+    traced on that layout's ``example_inputs``.
 
     ``external_data``: None writes the weights beside the model (``<name>.data``) only when
     they exceed protobuf's 2 GB limit; True always does.  The layout JSON goes into the
     model's metadata under ``LAYOUT_KEY``.
     """
+    layout: StepLayout = module.layout
+    args = example_inputs(layout)
     missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
     if missing:
         raise ImportError(f"ONNX export needs {' and '.join(missing)}: pip install 'personaplex-serve[convert]'")

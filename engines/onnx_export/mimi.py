@@ -37,7 +37,7 @@ import logging
 from pathlib import Path
 
 from engines.mimi import MimiCodec
-from engines.onnx_export.exporter import DEFAULT_OPSET, example_inputs, export_graph
+from engines.onnx_export.exporter import DEFAULT_OPSET, export_graph
 from engines.onnx_export.mimi_graph import MimiDecoderGraph, MimiEncoderGraph
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,7 @@ def export_mimi_onnx(mimi: MimiCodec, out_dir: Path, *, opset: int = DEFAULT_OPS
     for role, graph_cls, file_name in (("encoder", MimiEncoderGraph, ENCODER_FILE),
                                        ("decoder", MimiDecoderGraph, DECODER_FILE)):
         graph = graph_cls(mimi)
-        paths[role] = export_graph(graph, example_inputs(graph.layout), graph.layout, out_dir / file_name,
-                                   opset=opset)
+        paths[role] = export_graph(graph, out_dir / file_name, opset=opset)
         manifest[role] = {"file": file_name, "layout": json.loads(graph.layout.layout_json())}
     paths["manifest"] = out_dir / MANIFEST_FILE
     paths["manifest"].write_text(json.dumps(manifest, indent=2) + "\n")

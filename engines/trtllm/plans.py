@@ -123,10 +123,11 @@ class GraphDepformer:
         from ..onnx_export.depformer_graph import depformer_noise
 
         noise = depformer_noise(settings.seed[idx], settings.counter[idx], self.steps, self.card)
+        audio = settings.batch(idx, text=False)  # float32 / int64 / bool rows, as the graph takes them
         out = self.graph.run({
             "hidden": hidden.float(), "text_token": text.long(), "forced": forced.long(),
-            "forced_mask": forced_mask.bool(), "temperature": settings.temp_audio[idx].float(),
-            "top_k": settings.topk_audio[idx].long(), "greedy": settings.greedy[idx].bool(), "noise": noise,
+            "forced_mask": forced_mask.bool(), "temperature": audio.temperature,
+            "top_k": audio.top_k, "greedy": audio.greedy, "noise": noise,
         })
         return out["codes"]
 

@@ -23,6 +23,7 @@ import torch
 from .guard import BackendUnavailable, require_tensorrt, require_tensorrt_llm
 from .layout import BuildLayout, BuildMeta
 from .prompt_table import EngineCall
+from .slots import blocks_per_slot
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,11 @@ class TrtllmExecutor:
         self.io = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
         self.meta = meta
         self.window = window
-        blocks_per_slot = -(-window // self.tokens_per_block)
+        slot_blocks = blocks_per_slot(window, self.tokens_per_block)
         layers, heads = meta.num_layers, meta.num_heads
         head_dim = meta.hidden_size // heads
         kv_dtype = torch.uint8 if meta.kv_cache_dtype == "fp8" else getattr(torch, meta.dtype)
-        pool_shape = (num_slots * blocks_per_slot, layers, 2, heads, self.tokens_per_block, head_dim)
+        pool_shape = (num_slots * slot_blocks, layers, 2, heads, self.tokens_per_block, head_dim)
         self.pool = torch.empty(pool_shape, dtype=kv_dtype, device=self.device)
         log.info("KV pool: %s %s (%.2f GiB)", tuple(pool_shape), kv_dtype,
                  self.pool.numel() * self.pool.element_size() / 2**30)

@@ -20,6 +20,11 @@ from collections.abc import Sequence
 import torch
 
 
+def blocks_per_slot(window: int, tokens_per_block: int) -> int:
+    """KV blocks that hold ``window`` positions: ``ceil(window / tokens_per_block)``."""
+    return -(-window // tokens_per_block)
+
+
 class SlotKVBlocks:
     def __init__(self, num_slots: int, window: int, tokens_per_block: int, num_layers: int) -> None:
         if num_slots < 1 or window < 1 or tokens_per_block < 1 or num_layers < 1:
@@ -28,7 +33,7 @@ class SlotKVBlocks:
         self.window = window
         self.tokens_per_block = tokens_per_block
         self.num_layers = num_layers
-        self.blocks_per_slot = -(-window // tokens_per_block)
+        self.blocks_per_slot = blocks_per_slot(window, tokens_per_block)
         blocks = torch.arange(num_slots * self.blocks_per_slot, dtype=torch.int32).view(num_slots, self.blocks_per_slot)
         k = blocks * (2 * num_layers)
         self._table = torch.stack([k, k + 1], dim=1)  # [slots, 2 (K, V), blocks_per_slot]
