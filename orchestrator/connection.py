@@ -61,17 +61,16 @@ class Connection:
                                self.settings.max_event_bytes)
 
     async def run(self) -> None:
-        if self.client is not None:
-            refusal = self.services.admit_client(*self.client)
-            if refusal is not None:
-                extra = {"retry_after_s": refusal.retry_after_s} if refusal.retry_after_s is not None else {}
-                await self._refuse(ProtocolError(refusal.code, refusal.message, retryable=True, **extra))
-                return
+        assert self.client is not None, "run() needs the caller (only refuse_unsupported() goes without)"
+        refusal = self.services.admit_client(*self.client)
+        if refusal is not None:
+            extra = {"retry_after_s": refusal.retry_after_s} if refusal.retry_after_s is not None else {}
+            await self._refuse(ProtocolError(refusal.code, refusal.message, retryable=True, **extra))
+            return
         try:
             await self._run()
         finally:
-            if self.client is not None:
-                self.services.release_client(*self.client)
+            self.services.release_client(*self.client)
 
     async def _run(self) -> None:
         opening = await self._handshake()

@@ -143,10 +143,9 @@ class FaultyEngine:
             time.sleep(max(plan.seconds for *_, plan in firing if plan.mode == "hang"))
         if "batch" in modes:
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected fault)")
-        if "restart" in modes:
-            for _, slot, plan in firing:
-                if plan.mode == "restart":
-                    self._victims[slot].restart_due = True
+        for _, slot, plan in firing:
+            if plan.mode == "restart":
+                self._victims[slot].restart_due = True
         failing = [(i, slot) for i, slot, plan in firing if plan.mode in ("slot", "slot_early", "restart")]
         if not failing:
             return self.inner.step(slots, pcm)
@@ -163,7 +162,3 @@ class FaultyEngine:
     def _fired(self, plan: FaultPlan, slot: int) -> None:
         self.injected += 1
         log.warning("injected fault #%d: mode=%s slot=%d", self.injected, plan.mode, slot)
-
-
-def wrap_engine(engine: Engine, spec: str) -> FaultyEngine:
-    return FaultyEngine(engine, FaultPlan.parse_all(spec))

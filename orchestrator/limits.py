@@ -50,6 +50,10 @@ class _Client:
     held: int
     bucket: TokenBucket | None
 
+    def idle(self, now: float) -> bool:
+        """Holds nothing and its bucket (refilled to ``now``) is full: nothing to remember."""
+        return self.held == 0 and (self.bucket is None or self.bucket.refill(now) >= self.bucket.burst)
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -107,7 +111,7 @@ class ClientLimits:
         if entry is None or entry.held <= 0:
             return
         entry.held -= 1
-        if entry.held == 0 and (entry.bucket is None or entry.bucket.refill(self._clock()) >= entry.bucket.burst):
+        if entry.idle(self._clock()):
             del self._clients[client]
 
     def held(self, client: str) -> int:
@@ -115,8 +119,7 @@ class ClientLimits:
         return entry.held if entry is not None else 0
 
     def _sweep(self, now: float) -> None:
-        idle = [name for name, entry in self._clients.items()
-                if entry.held == 0 and (entry.bucket is None or entry.bucket.refill(now) >= entry.bucket.burst)]
+        idle = [name for name, entry in self._clients.items() if entry.idle(now)]
         for name in idle:
             del self._clients[name]
 

@@ -16,7 +16,7 @@ from engines.factory import create_engine
 
 from .access import Caller
 from .connection import Connection
-from .errors import error_type
+from .errors import ProtocolError
 from .services import EngineFactory, Services
 from .settings import Settings
 from .web import register_web
@@ -153,5 +153,5 @@ def _placement_gate(svc: Services) -> Response | None:
 
 
 def _http_error(status: int, code: str, message: str) -> Response:
-    body = {"error": {"type": error_type(code), "code": code, "message": message}}
+    body = {"error": ProtocolError(code, message).payload()}
     return Response(json.dumps(body), status=status, content_type="application/json")

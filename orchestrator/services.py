@@ -24,7 +24,7 @@ from .access import AccessPolicy
 from .engine_pool import DeviceEngine, EngineFactory, EnginePool
 from .errors import ProtocolError
 from .events import capabilities
-from .fault_injection import FaultPlan, FaultPlanError, wrap_engine
+from .fault_injection import FaultPlan, FaultPlanError, FaultyEngine
 from .limits import ClientLimits, Refusal
 from .listeners import ListenerWatch, find_listeners
 from .metrics import Metrics
@@ -227,7 +227,7 @@ def _with_fault_injection(factory: EngineFactory, spec: str | None) -> EngineFac
     if not spec:
         return factory
     try:
-        FaultPlan.parse_all(spec)
+        plans = FaultPlan.parse_all(spec)
     except FaultPlanError as exc:
         raise SettingsError(f"{env_name('fault_injection')}: {exc}") from None
-    return lambda *args, **kwargs: wrap_engine(factory(*args, **kwargs), spec)
+    return lambda *args, **kwargs: FaultyEngine(factory(*args, **kwargs), plans)

@@ -35,14 +35,12 @@ def register_web(app: Quart, services: Callable[[], Services]) -> None:
 
     @app.get("/")
     async def index() -> Response:
-        response = await send_from_directory(STATIC_DIR, "index.html")
-        # The page is tiny and changes with the server version: never serve a stale one.
-        response.headers["Cache-Control"] = "no-cache"
-        return response
+        return await static_file("index.html")
 
     async def static_file(filename: str) -> Response:
         # send_from_directory refuses paths that leave STATIC_DIR (404).
         response = await send_from_directory(STATIC_DIR, filename)
+        # The page is tiny and changes with the server version: never serve a stale one.
         response.headers["Cache-Control"] = "no-cache"
         return response
 

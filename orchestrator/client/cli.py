@@ -112,7 +112,7 @@ def check_args(args: argparse.Namespace) -> None:
             continue
         if path.is_dir():
             raise UsageError(f"{option} {path} is a directory")
-        parent = path.parent if str(path.parent) else Path(".")
+        parent = path.parent
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise UsageError(f"{option}: cannot write to {parent} (missing or read-only directory)")
 

@@ -47,7 +47,6 @@ class WavSource:
             raise SourceError(str(exc)) from None
         tail = np.zeros(round(tail_s / FRAME_S) * FRAME_SAMPLES, dtype=np.float32)
         self.frames = frames_of(np.concatenate((pcm, tail)))
-        self.input_seconds = len(pcm) / SAMPLE_RATE
 
     async def stream(self, stop: asyncio.Event, *, realtime: bool) -> AsyncIterator[np.ndarray]:
         """The frames; ``realtime`` paces them on an 80 ms grid like a microphone would.
