@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.e2e.online_serving.realtime_duplex.metrics import least_squares_slope
 from tests.orch_support import FRAME, Client, Server, delta_pcm, f32_append, speech
 
 PERSONAS = ("You are a concise and helpful assistant.", "You are a calm and precise assistant.",
@@ -213,11 +214,8 @@ def growth_mb_per_min(samples: list[Sample]) -> float:
     half = samples[len(samples) // 2:]
     if len(half) < 3:
         return 0.0
-    ts = [s.t for s in half]
-    ys = [s.rss_mb for s in half]
-    mt, my = sum(ts) / len(ts), sum(ys) / len(ys)
-    den = sum((t - mt) ** 2 for t in ts)
-    return 60 * sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / den if den else 0.0
+    slope = least_squares_slope([s.t for s in half], [s.rss_mb for s in half])
+    return 60 * slope if slope is not None else 0.0
 
 
 def run_soak(duration_s: float, sessions: int, *, session_s: tuple[float, float] = (4.0, 15.0), seed: int = 1,

@@ -31,7 +31,7 @@ from orchestrator.settings import SettingsError, parse_devices
 
 from .realtime_duplex.load import RESULT_NAME as LOAD_RESULT
 from .realtime_duplex.options import MAX_LOAD_SESSIONS
-from .realtime_duplex.report import write_json
+from .realtime_duplex.report import fmt_cell, write_json
 
 log = logging.getLogger("capacity")
 
@@ -395,10 +395,6 @@ def run_metadata(argv: Sequence[str]) -> dict[str, Any]:
             "gpus": "; ".join(gpus.splitlines()) if gpus else None}
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
 def summary(layouts: list[dict[str, Any]]) -> str:
     """One line per layout: the comparison at a glance."""
     header = (f"{'layout':<16} {'srv':>3} {'ok/req':>9} {'first audio ms':>14} {'p99 int ms':>10} "
@@ -406,15 +402,15 @@ def summary(layouts: list[dict[str, Any]]) -> str:
     lines = [header]
 
     def hi(ranges: dict[str, Any], key: str, digits: int = 1) -> str:
-        return _fmt((ranges[key] or [None, None])[1], digits)  # the max of a [min, max] range
+        return fmt_cell((ranges[key] or [None, None])[1], digits)  # the max of a [min, max] range
 
     for r in layouts:
         s, t = r["sessions"], r["ticks"] or {}
         le80 = t.get("ticks_le_80ms_fraction")
         lines.append(f"{r['layout']:<16} {r['servers']:>3} {str(r['sessions_ok']) + '/' + str(r['sessions_requested']):>9} "
                      f"{hi(s, 'first_audio_ms'):>14} {hi(s, 'packet_interval_p99_ms'):>10} {hi(s, 'server_stream_rtf', 3):>10} "
-                     f"{_fmt(t.get('ticks')):>7} {_fmt(t.get('mean_tick_ms')):>7} {_fmt(t.get('mean_batch_size')):>6} "
-                     f"{'-' if le80 is None else f'{100 * le80:.0f}%':>6} {_fmt(r['startup_s']):>7}"
+                     f"{fmt_cell(t.get('ticks')):>7} {fmt_cell(t.get('mean_tick_ms')):>7} {fmt_cell(t.get('mean_batch_size')):>6} "
+                     f"{'-' if le80 is None else f'{100 * le80:.0f}%':>6} {fmt_cell(r['startup_s']):>7}"
                      + (f"  {r['errors'][0]}" if r["errors"] else ""))
     return "\n".join(lines)
 

@@ -36,7 +36,7 @@ def write_json(path: Path, data: dict[str, Any], *, exclusive: bool = False) -> 
         stream.write(text)
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
+def fmt_cell(value: Any, digits: int = 1) -> str:
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -53,10 +53,10 @@ def load_summary(result: dict[str, Any], path: Path) -> str:
     for row in result["sessions"]:
         interval = row["client_audio_packet_interval_ms"]
         lines.append(
-            f"{row['index']:>3} {_fmt(row['ok']):>3} {_fmt(row['client_first_audio_after_stream_start_ms']):>14} "
-            f"{_fmt(interval['median']) + '/' + _fmt(interval['p99']):>19} {_fmt(row['client_stream_rtf'], 3):>10} "
-            f"{_fmt(row['server_stream_rtf'], 3):>10} {_fmt(row['audio_underrun_s'], 3):>10} "
-            f"{_fmt(row['frame_deficit']):>7}  {row['error'] or ''}")
+            f"{row['index']:>3} {fmt_cell(row['ok']):>3} {fmt_cell(row['client_first_audio_after_stream_start_ms']):>14} "
+            f"{fmt_cell(interval['median']) + '/' + fmt_cell(interval['p99']):>19} {fmt_cell(row['client_stream_rtf'], 3):>10} "
+            f"{fmt_cell(row['server_stream_rtf'], 3):>10} {fmt_cell(row['audio_underrun_s'], 3):>10} "
+            f"{fmt_cell(row['frame_deficit']):>7}  {row['error'] or ''}")
     verdict = "OK" if result["ok"] else "NOT OK"
     lines.append(f"{verdict}: {result['passed_sessions']} of {result['requested_sessions']} sessions passed; "
                  f"result in {path}")
@@ -71,9 +71,9 @@ def lifecycle_summary(result: dict[str, Any], path: Path) -> str:
     for name in ("primary", "secondary", "replacement"):
         stats = result.get(name) or {}
         if stats:
-            lines.append(f"{name:>11}: {stats.get('session_id')}  input {_fmt(stats.get('input_frames'))} frames  "
-                         f"output {_fmt(stats.get('output_frames'))} frames  deficit {_fmt(stats.get('frame_deficit'))}"
-                         f"  voiced {_fmt(stats.get('voiced_frames'))}  check {stats.get('acceptance_check') or 'ok'}")
+            lines.append(f"{name:>11}: {stats.get('session_id')}  input {fmt_cell(stats.get('input_frames'))} frames  "
+                         f"output {fmt_cell(stats.get('output_frames'))} frames  deficit {fmt_cell(stats.get('frame_deficit'))}"
+                         f"  voiced {fmt_cell(stats.get('voiced_frames'))}  check {stats.get('acceptance_check') or 'ok'}")
     failure = result.get("failure")
     verdict = "OK" if result["ok"] else f"NOT OK ({failure['step']}: {failure['message']})" if failure else "NOT OK"
     lines.append(f"{verdict}; result in {path}")
