@@ -158,7 +158,7 @@ class EnginePool:
             factory = functools.partial(engine_factory, settings.checkpoint, max_slots=max_sessions, device=device,
                                         backend=settings.backend, window=settings.window,
                                         kv_cache=settings.kv_cache, compile=settings.compile)
-            scheduler = TickScheduler(factory, batch_window_s=settings.batch_window_ms / 1000.0,
+            scheduler = TickScheduler(factory, policy=settings.tick_policy_object(),
                                       silence_grace_s=settings.silence_grace_s, warmup_frames=settings.warmup_frames,
                                       metrics=metrics, device=label)
             engines.append(DeviceEngine(index, label, max_sessions, scheduler,

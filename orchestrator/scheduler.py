@@ -6,11 +6,12 @@ batched ``engine.step``; the results go back to the event loop with
 ``loop.call_soon_threadsafe``.  The event loop never calls the engine and this thread never
 touches a websocket.
 
-Batching policy: tick as soon as every live lane has a frame, or once the oldest waiting
-frame has waited ``batch_window_s``, whichever comes first.  A frame that was already
-queued when the previous tick was taken (its lane sends faster than real time) does not
-wait at all: such a lane ticks back to back as fast as the engine goes, and a paced lane's
-frame joins the next of those ticks anyway.
+Batching policy: ``tick_policy.py`` decides, from the lanes' queues, the time since the
+previous tick took its frames and the recent tick time, whether to tick now or how long to
+wait (``window``: tick once every live lane has a frame or the oldest has waited the batch
+window; ``paced``: at most one tick per interval sized to keep the engine about
+``busy_target`` busy, unless every live lane has a frame).  This thread keeps the state the
+policy reads (a moving average of the tick time) and acts on its answer.
 
 Silence feeding: a lane whose queue has been empty for ``silence_grace_s`` (no input, nothing
 left to step) gets one silence frame per 80 ms so the conversation stays clocked.
@@ -45,10 +46,12 @@ from engines.interface import Engine, EngineInfo, FrameOutput, SessionSpec, Slot
 
 from .audio import float_to_pcm16
 from .metrics import Metrics
+from .tick_policy import PacedPolicy, TickState, WindowPolicy
 
 log = logging.getLogger(__name__)
 
 FRAME_PERIOD_S = 0.08
+TICK_TIME_SMOOTHING = 0.2  # weight of the newest tick in the moving average the policy reads
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ class TickScheduler:
         self,
         engine_factory: Callable[[], Engine],
         *,
-        batch_window_s: float,
+        policy: WindowPolicy | PacedPolicy,
         silence_grace_s: float,
         warmup_frames: int,
         metrics: Metrics,
@@ -130,7 +133,8 @@ class TickScheduler:
         # thread's name, the logs and the per-device metrics; None in single-engine tests.
         self.device = device
         self._factory = engine_factory
-        self._window = batch_window_s
+        self._policy = policy
+        self._tick_s = 0.0  # moving average of engine.step time per tick (read by the policy)
         self._grace = silence_grace_s
         self._warmup_frames = warmup_frames
         self._metrics = metrics
@@ -325,17 +329,14 @@ class TickScheduler:
                 if self._jobs and (self._after_tick or not ready):
                     self._after_tick = False
                     return self._jobs.popleft()
-                if ready:
-                    oldest = min(lane.frames[0][1] for lane in ready)
-                    # A frame that was already queued when the last tick was taken is behind
-                    # (its lane had sent more than one): no reason to wait for anybody.
-                    behind = oldest <= self._last_take
-                    if len(ready) == len(live) or behind or now - oldest >= self._window:
-                        return ("tick", self._take(ready, now))
-                    wait = oldest + self._window - now
-                    wait = min(wait, silence_due - now) if silence_due is not None else wait
-                else:
-                    wait = silence_due - now if silence_due is not None else None
+                oldest = min(lane.frames[0][1] for lane in ready) if ready else None
+                decision = self._policy.decide(TickState(now, len(live), len(ready), oldest, self._last_take,
+                                                         self._tick_s))
+                if decision.tick:
+                    return ("tick", self._take(ready, now))
+                wait = decision.wait_s
+                if silence_due is not None:
+                    wait = silence_due - now if wait is None else min(wait, silence_due - now)
                 self._cond.wait(wait)
 
     def _feed_silence(self, now: float) -> float | None:
@@ -393,6 +394,8 @@ class TickScheduler:
         self.failed_ticks_in_row = 0
         seconds = self._clock() - start
         self._ticks += 1
+        self._tick_s = seconds if self._ticks == 1 else (
+            TICK_TIME_SMOOTHING * seconds + (1.0 - TICK_TIME_SMOOTHING) * self._tick_s)
         pcm16 = float_to_pcm16(np.stack([out.pcm for out in outputs]))
         silent_inputs = sum(1 for *_, silent in batch if silent)
         self._metrics.observe_tick(seconds, len(batch), silent_inputs, device=self.device)

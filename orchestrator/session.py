@@ -98,6 +98,7 @@ class _Response:
     audio_ms: int = 0
     transcript: str = ""
     timing: dict[str, Any] = field(default_factory=dict)  # of the latest frame
+    pending_silence: int = 0  # of the pending frames, how many answer silence the server fed
 
 
 class Session:
@@ -294,6 +295,7 @@ class Session:
             return
         response = self._response or self._open_response()
         response.pending.append(result.pcm16)
+        response.pending_silence += int(result.silence_input)
         response.pending_text += result.text
         response.timing = {"tick": result.tick, "tick_ms": round(result.tick_ms, 3), "batch_size": result.batch_size,
                            "input_wait_ms": round(result.wait_ms, 3), "silence_input": result.silence_input}
@@ -316,6 +318,7 @@ class Session:
         text = response.pending_text
         response.pending.clear()
         response.pending_text = ""
+        silence_frames, response.pending_silence = response.pending_silence, 0
         response.deltas += 1
         response.audio_ms += n * FRAME_MS
         response.transcript += text
@@ -328,7 +331,10 @@ class Session:
             "audio_text_marks": [{"text_chars": len(response.transcript), "audio_end_ms": response.audio_ms}],
             "playback": {"generated_ms": response.audio_ms, "sent_ms": response.audio_ms, "played_ms": 0,
                          "committed_ms": 0},
-            "timing": response.timing,
+            # silence_input_frames: how many of this delta's frames answer silence the
+            # server fed while the client sent nothing (load drivers do not count those
+            # as answers to the client's frames).
+            "timing": {**response.timing, "silence_input_frames": silence_frames},
         }
         self.emit(ev.audio_delta(response.id, pcm16_base64(pcm), metadata), tag=response.id)
         self.emit(ev.transcript_delta(response.id, text), tag=response.id)

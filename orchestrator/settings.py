@@ -21,6 +21,8 @@ from typing import Any, Mapping
 from engines.config import COMPILE_MODES, KV_CACHE_MODES
 from engines.random_weights import RANDOM_MODEL_BYTES, random_model_name
 
+from .tick_policy import POLICIES, PacedPolicy, WindowPolicy, make_policy
+
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "PERSONAPLEX_"
@@ -70,7 +72,13 @@ class Settings:
     # Device memory of one session's full KV window; None = 1.6 (7B, bf16) or 0.82 (fp8).
     session_memory_gb: float | None = None
     # Lockstep scheduler ----------------------------------------------------------------------
-    batch_window_ms: float = 20.0  # longest a ready frame waits for the other sessions' frames
+    # When to tick (orchestrator/tick_policy.py): "window" ticks once every live session has a
+    # frame or the oldest frame waited batch_window_ms; "paced" at most once per interval that
+    # keeps the engine about tick_busy_target busy (batch_window_ms its shortest), unless every
+    # live session has a frame.
+    tick_policy: str = "window"
+    tick_busy_target: float = 0.7
+    batch_window_ms: float = 20.0  # window: longest a ready frame waits; paced: shortest interval
     silence_grace_s: float = 3.0  # input stall after which silence is fed; 0 disables it
     warmup_frames: int = 4  # silent frames stepped through a throwaway slot before /ready
     # Protocol --------------------------------------------------------------------------------
@@ -130,6 +138,11 @@ class Settings:
             positive(name)
         for name in ("batch_window_ms", "silence_grace_s", "warmup_frames"):
             positive(name, allow_zero=True)
+        if self.tick_policy not in POLICIES:
+            raise SettingsError(f"{env_name('tick_policy')} must be one of {', '.join(POLICIES)}, "
+                                f"got {self.tick_policy!r}")
+        if not 0 < self.tick_busy_target <= 1:
+            raise SettingsError(f"{env_name('tick_busy_target')} must be in (0, 1], got {self.tick_busy_target!r}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise SettingsError(f"{env_name('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.devices:
@@ -170,6 +183,11 @@ class Settings:
                                 f"got {self.refuse_when_full!r}")
         if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
             raise SettingsError(f"{env_name('api_keys_file')}={self.api_keys_file!r} is not a file")
+
+    def tick_policy_object(self) -> WindowPolicy | PacedPolicy:
+        """The scheduler's tick policy, as these settings configure it."""
+        return make_policy(self.tick_policy, min_wait_s=self.batch_window_ms / 1000.0,
+                           busy_target=self.tick_busy_target)
 
     # Construction -----------------------------------------------------------------------------
     @classmethod

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.online_serving.realtime_duplex.metrics import least_squares_slope
+from orchestrator.load_driver.metrics import least_squares_slope
 from tests.orch_support import FRAME, Client, Server, delta_pcm, f32_append, speech
 
 PERSONAS = ("You are a concise and helpful assistant.", "You are a calm and precise assistant.",

@@ -28,7 +28,7 @@ def _tool(args: list[str], **env: str) -> subprocess.CompletedProcess:
 def test_two_layouts_end_to_end(speech_wav: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = _tool(["--layout", "process:cpu", "--layout", "split:cpu,cpu", "--sessions-per-device", "2",
-                  "--load-frames", "25", "--drivers-per-server", "1", "--input-wav", str(speech_wav),
+                  "--load-frames", "25", "--driver-processes", "2", "--input-wav", str(speech_wav),
                   "--output-dir", str(out)])
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "capacity.json").read_text())
@@ -47,6 +47,11 @@ def test_two_layouts_end_to_end(speech_wav: Path, tmp_path: Path) -> None:
         assert layout["ticks_per_device"] and all(d["ticks"] > 0 for d in layout["ticks_per_device"])
         assert layout["sessions"]["first_audio_ms"][1] > 0
         assert layout["sessions"]["frame_deficit"][1] <= 4
+        sessions = layout["sessions"]
+        assert sessions["stream_lag_p50_ms"] is not None and sessions["stream_lag_p99_ms"] >= sessions["stream_lag_p50_ms"]
+        assert sessions["max_output_gap_ms"] > 0 and sessions["client_send_lateness_p99_ms"] is not None
+        assert 0 <= sessions["holding_sessions"] <= layout["sessions_requested"]
+        assert all(d["processes"] == 2 for d in layout["drivers"])  # --driver-processes reached the drivers
     assert {d["server"] for d in split["ticks_per_device"]} == {0, 1}
     assert len(split["drivers"]) == 2
     assert "process:cpu" in done.stdout and "split:cpu,cpu" in done.stdout and "OK;" in done.stdout
@@ -79,7 +84,9 @@ def test_bad_layouts(layout: str, message: str, tmp_path: Path, capsys: pytest.C
     (["--sessions-per-device", "0"], "--sessions-per-device must be >= 1"),
     (["--sessions-per-device", "1"], "multi-session"),
     (["--sessions-per-device", "2", "--load-frames", "0"], "--load-frames must be >= 1"),
-    (["--sessions-per-device", "2", "--drivers-per-server", "0"], "--drivers-per-server must be >= 1"),
+    (["--sessions-per-device", "2", "--driver-processes", "0"], "--driver-processes must be in [1, 256]"),
+    (["--sessions-per-device", "2000"], "the load driver's limit"),
+    (["--sessions-per-device", "2", "--tail-s", "-1"], "--tail-s must be finite"),
 ])
 def test_bad_numbers(extra: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     wav = tmp_path / "in.wav"
@@ -99,13 +106,6 @@ def test_missing_wav_and_existing_result(tmp_path: Path, capsys: pytest.CaptureF
     assert capacity.main([*common, "--input-wav", str(wav)]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
     assert (tmp_path / "capacity.json").read_text() == "{}"
-
-
-def test_sessions_split_over_drivers() -> None:
-    assert capacity.split_sessions(4, 1) == [4]
-    assert capacity.split_sessions(5, 2) == [3, 2]
-    assert capacity.split_sessions(1, 3) == [1]  # no driver without sessions
-    assert capacity.split_sessions(256, 2) == [64] * 4  # the driver takes at most 64
 
 
 def test_tick_stats_from_histogram_deltas() -> None:

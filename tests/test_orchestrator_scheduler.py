@@ -13,6 +13,7 @@ from engines.factory import create_engine
 from engines.interface import InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec
 from orchestrator.metrics import Metrics
 from orchestrator.scheduler import FrameResult, TickScheduler
+from orchestrator.tick_policy import make_policy
 
 GREEDY = SessionSpec(sampling=SamplingParams(greedy=True))
 
@@ -45,9 +46,10 @@ class Collector:
 def make_scheduler():
     made: list[TickScheduler] = []
 
-    def make(max_slots: int = 2, window_ms: float = 20.0, grace_s: float = 0.0):
+    def make(max_slots: int = 2, window_ms: float = 20.0, grace_s: float = 0.0, policy: str = "window"):
         sink = Collector()
-        scheduler = TickScheduler(lambda: create_engine(None, max_slots=max_slots), batch_window_s=window_ms / 1e3,
+        scheduler = TickScheduler(lambda: create_engine(None, max_slots=max_slots),
+                                  policy=make_policy(policy, min_wait_s=window_ms / 1e3, busy_target=0.7),
                                   silence_grace_s=grace_s, warmup_frames=2, metrics=Metrics())
         scheduler.start(sink, sink.deliver)
         assert scheduler.ready.wait(120) and scheduler.load_error is None
@@ -85,6 +87,22 @@ def test_lone_frame_waits_for_the_window_only(make_scheduler):
     sink.wait(lambda: len(sink.results) == 1)
     (result,) = sink.results
     assert result.batch_size == 1 and result.wait_ms >= 60.0 - 1.0  # waited for the idle lane's frame
+
+
+def test_paced_policy_ticks_a_lone_frame_after_the_interval(make_scheduler):
+    """With ``paced``, a frame that not every lane has matched waits for the interval since
+    the previous tick's take (here the 60 ms floor: the tiny model's ticks are short), and a
+    backlog is stepped one frame per interval, not back to back."""
+    scheduler, sink = make_scheduler(window_ms=60.0, policy="paced")
+    scheduler.open("a", GREEDY).result(30)
+    scheduler.open("idle", GREEDY).result(30)
+    with scheduler._cond:
+        scheduler.push("a", 0, frames(3))
+    sink.wait(lambda: len(sink.results) == 3, timeout=30)
+    ticks = sink.results
+    assert all(r.batch_size == 1 for r in ticks) and [r.tick for r in ticks] == sorted(r.tick for r in ticks)
+    # frames 2 and 3 were queued with frame 1 and each waited one more interval
+    assert ticks[1].wait_ms - ticks[0].wait_ms >= 60.0 - 1.0 and ticks[2].wait_ms - ticks[1].wait_ms >= 60.0 - 1.0
 
 
 def test_backlog_runs_back_to_back_and_joins_paced_lane(make_scheduler):

@@ -288,13 +288,14 @@ def test_session_drops_late_outputs_of_a_cancelled_epoch():
     import asyncio
 
     from orchestrator.scheduler import FrameResult, TickScheduler
+    from orchestrator.tick_policy import WindowPolicy
     from orchestrator.session import Session
 
     def result(epoch: int) -> FrameResult:
         return FrameResult("s", epoch, np.ones(1920, np.int16), "hi", 5, False, 1, 1.0, 1, 0.0)
 
     async def scenario():
-        scheduler = TickScheduler(lambda: None, batch_window_s=0.02, silence_grace_s=0, warmup_frames=0,
+        scheduler = TickScheduler(lambda: None, policy=WindowPolicy(0.02), silence_grace_s=0, warmup_frames=0,
                                   metrics=Metrics())  # never started: only its bookkeeping is used
         session = Session("s", SessionConfig(model="m"), scheduler=scheduler, settings=Settings(),
                           metrics=Metrics(), caps=capabilities(2))

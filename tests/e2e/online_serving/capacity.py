@@ -1,9 +1,11 @@
 """Serving capacity of several deployment layouts, measured in one run (issue 9 part 3).
 
 For each ``--layout``, in turn: start the server process(es), wait for ``/ready``, scrape
-``/metrics``, drive paced load sessions with the load driver (``personaplex_realtime_duplex
---sessions N``) in several processes at once, scrape ``/metrics`` again, stop the server(s).
-One ``capacity.json`` collects the layouts side by side.  Run ``--help`` for the flags.
+``/metrics``, drive paced load sessions with the load driver (``orchestrator.load_driver
+--sessions N --processes P``, one driver per server, its sessions split over P worker
+processes that share one start), scrape ``/metrics`` again, stop the server(s).  One
+``capacity.json`` collects the layouts side by side, with the stream lag columns pooled over
+every session of a layout.  Run ``--help`` for the flags.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.load_driver.load import RESULT_NAME as LOAD_RESULT
+from orchestrator.load_driver.load import pooled
+from orchestrator.load_driver.options import MAX_LOAD_SESSIONS, MAX_PROCESSES
+from orchestrator.load_driver.report import fmt_cell, write_json
 from orchestrator.settings import SettingsError, parse_devices
-
-from .realtime_duplex.load import RESULT_NAME as LOAD_RESULT
-from .realtime_duplex.options import MAX_LOAD_SESSIONS
-from .realtime_duplex.report import fmt_cell, write_json
 
 log = logging.getLogger("capacity")
 
@@ -47,7 +49,7 @@ EXAMPLE = """\
 example (a machine with two GPUs; one command, all three layouts):
   python -m tests.e2e.online_serving.capacity --checkpoint random:personaplex-7b --kv-cache fp8 \\
       --layout process:0 --layout process:0,1 --layout split:0,1 --sessions-per-device 128 \\
-      --load-frames 250 --drivers-per-server 2 --input-wav input_assistant.wav --output-dir out/
+      --load-frames 3000 --tail-s 200 --driver-processes 8 --input-wav input_assistant.wav --output-dir out/
 
 layouts:
   process:DEVICES  one server process with PERSONAPLEX_DEVICES=DEVICES (one engine per device)
@@ -56,8 +58,10 @@ layouts:
   DEVICES is a comma list of GPU indexes (0,1), cuda:N or cpu (cpu may repeat, for tests).
 
 Each layout gets sessions-per-device x devices sessions (PERSONAPLEX_MAX_SESSIONS is per device),
-spread over --drivers-per-server driver processes per server (more when a driver would get over
-%d sessions, the driver's limit).  Other PERSONAPLEX_* variables of the environment reach the
+from one load driver per server whose sessions are split over --driver-processes worker
+processes (default: the driver's, one per 32 sessions up to the CPU count).  A capacity point
+is valid only while the client keeps its grid (pooled send lateness p99 <= 20 ms: the
+client_bottleneck column).  Other PERSONAPLEX_* variables of the environment reach the
 servers unchanged; %s come from the flags only.
 
 output (--output-dir):
@@ -67,11 +71,11 @@ output (--output-dir):
                                      the command, UTC date, git revision, host and GPU names.
                                      Rewritten after each layout; an existing one is never replaced.
   <n>-<layout>/server-<i>.log        server output
-  <n>-<layout>/driver-<i>-<k>/       each driver's load-result.json and driver.log
+  <n>-<layout>/driver-<i>/           each server's driver: load-result.json and driver.log
 
 exit status: 0 every layout ran and every session was ok, 1 otherwise, 2 bad arguments
 or an existing capacity.json.
-""" % (MAX_LOAD_SESSIONS, ", ".join(OWNED_ENV))
+""" % (", ".join(OWNED_ENV),)
 
 
 class UsageError(Exception):
@@ -215,12 +219,6 @@ class Server:
     before: Samples = field(default_factory=dict)
 
 
-def split_sessions(total: int, drivers: int) -> list[int]:
-    """``total`` sessions over ``drivers`` (at least enough that none gets over the driver's limit)."""
-    drivers = max(drivers, math.ceil(total / MAX_LOAD_SESSIONS))
-    return [n for n in (total // drivers + (i < total % drivers) for i in range(drivers)) if n]
-
-
 def _range(rows: list[dict[str, Any]], key: str, sub: str | None = None) -> list[float] | None:
     values = [row[key] if sub is None else (row[key] or {}).get(sub) for row in rows]
     values = [v for v in values if v is not None]
@@ -228,8 +226,17 @@ def _range(rows: list[dict[str, Any]], key: str, sub: str | None = None) -> list
 
 
 def session_aggregates(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Ranges [min, max] over the load-result.json rows of a layout (null when none measured)."""
+    """Ranges [min, max] over the load-result.json rows of a layout (null when none measured),
+    and the stream lag, gap and send lateness pooled over all of them."""
+    run = pooled(rows)
     return {
+        "stream_lag_p50_ms": run["stream_lag_ms"]["median"],
+        "stream_lag_p99_ms": run["stream_lag_ms"]["p99"],
+        "max_output_gap_ms": run["max_output_gap_ms"],
+        "holding_sessions": run["holding_sessions"],
+        "client_send_lateness_p99_ms": run["client_send_lateness_ms"]["p99"],
+        "client_bottleneck": run["client_bottleneck"],
+        "session_stream_lag_p99_ms": _range(rows, "stream_lag_ms", "p99"),
         "first_audio_ms": _range(rows, "client_first_audio_after_stream_start_ms"),
         "packet_interval_p50_ms": _range(rows, "client_audio_packet_interval_ms", "median"),
         "packet_interval_p99_ms": _range(rows, "client_audio_packet_interval_ms", "p99"),
@@ -308,20 +315,21 @@ def run_layout(args: argparse.Namespace, layout: Layout, out: Path, meta: dict[s
             server.before = scrape(server)
 
         for server in servers:
-            counts = split_sessions(args.sessions_per_device * len(server.devices), args.drivers_per_server)
-            for k, sessions in enumerate(counts):
-                ddir = out / f"driver-{server.index}-{k}"
-                ddir.mkdir()
-                cmd = [sys.executable, "-m", "tests.e2e.online_serving.personaplex_realtime_duplex",
-                       "--url", f"ws://127.0.0.1:{server.port}/v1/realtime?duplex=1", "--model", server.model,
-                       "--input-wav", str(args.input_wav), "--sessions", str(sessions),
-                       "--load-frames", str(args.load_frames), "--output-dir", str(ddir),
-                       "--server-revision", meta["git_revision"] or "unknown",
-                       "--server-hardware", meta["gpus"] or meta["hostname"], *shlex.split(args.driver_args)]
-                proc = start(cmd, dict(os.environ), ddir / "driver.log")
-                children.append(proc)
-                drivers.append(({"server": server.index, "sessions": sessions, "output_dir": str(ddir)}, proc))
-        log.info("%s: %d sessions over %d driver process(es), %d frames each", layout.spec,
+            sessions = args.sessions_per_device * len(server.devices)
+            ddir = out / f"driver-{server.index}"
+            ddir.mkdir()
+            cmd = [sys.executable, "-m", "orchestrator.load_driver",
+                   "--url", f"ws://127.0.0.1:{server.port}/v1/realtime?duplex=1", "--model", server.model,
+                   "--input-wav", str(args.input_wav), "--sessions", str(sessions),
+                   "--load-frames", str(args.load_frames), "--tail-s", str(args.tail_s), "--output-dir", str(ddir),
+                   "--server-revision", meta["git_revision"] or "unknown",
+                   "--server-hardware", meta["gpus"] or meta["hostname"]]
+            if args.driver_processes:
+                cmd += ["--processes", str(min(args.driver_processes, sessions))]
+            proc = start(cmd + shlex.split(args.driver_args), dict(os.environ), ddir / "driver.log")
+            children.append(proc)
+            drivers.append(({"server": server.index, "sessions": sessions, "output_dir": str(ddir)}, proc))
+        log.info("%s: %d sessions from %d driver(s), %d frames each", layout.spec,
                  result["sessions_requested"], len(drivers), args.load_frames)
 
         deadline = time.monotonic() + args.driver_timeout_s
@@ -338,8 +346,10 @@ def run_layout(args: argparse.Namespace, layout: Layout, out: Path, meta: dict[s
             if not path.is_file():
                 result["errors"].append(f"driver {info['output_dir']} wrote no {LOAD_RESULT}; see driver.log")
                 continue
-            driver_rows = json.loads(path.read_text())["sessions"]
+            driver_result = json.loads(path.read_text())
+            driver_rows = driver_result["sessions"]
             info["sessions_ok"] = sum(row["ok"] is True for row in driver_rows)
+            info["processes"] = driver_result["processes"]
             rows += driver_rows
             result["drivers"].append(info)
         # load.py leaves a row's session statistics null when the session was never admitted.
@@ -397,8 +407,9 @@ def run_metadata(argv: Sequence[str]) -> dict[str, Any]:
 
 def summary(layouts: list[dict[str, Any]]) -> str:
     """One line per layout: the comparison at a glance."""
-    header = (f"{'layout':<16} {'srv':>3} {'ok/req':>9} {'first audio ms':>14} {'p99 int ms':>10} "
-              f"{'stream RTF':>10} {'ticks':>7} {'tick ms':>7} {'batch':>6} {'<=80ms':>6} {'start s':>7}")
+    header = (f"{'layout':<16} {'srv':>3} {'ok/req':>9} {'holds':>5} {'lag p50/p99 ms':>15} {'max gap':>7} "
+              f"{'send p99':>8} {'first audio':>11} {'ticks':>7} {'tick ms':>7} {'batch':>6} {'<=80ms':>6} "
+              f"{'start s':>7}")
     lines = [header]
 
     def hi(ranges: dict[str, Any], key: str, digits: int = 1) -> str:
@@ -407,11 +418,14 @@ def summary(layouts: list[dict[str, Any]]) -> str:
     for r in layouts:
         s, t = r["sessions"], r["ticks"] or {}
         le80 = t.get("ticks_le_80ms_fraction")
+        lag = f"{fmt_cell(s['stream_lag_p50_ms'])}/{fmt_cell(s['stream_lag_p99_ms'])}"
         lines.append(f"{r['layout']:<16} {r['servers']:>3} {str(r['sessions_ok']) + '/' + str(r['sessions_requested']):>9} "
-                     f"{hi(s, 'first_audio_ms'):>14} {hi(s, 'packet_interval_p99_ms'):>10} {hi(s, 'server_stream_rtf', 3):>10} "
+                     f"{fmt_cell(s['holding_sessions']):>5} {lag:>15} {fmt_cell(s['max_output_gap_ms']):>7} "
+                     f"{fmt_cell(s['client_send_lateness_p99_ms']):>8} {hi(s, 'first_audio_ms'):>11} "
                      f"{fmt_cell(t.get('ticks')):>7} {fmt_cell(t.get('mean_tick_ms')):>7} {fmt_cell(t.get('mean_batch_size')):>6} "
                      f"{'-' if le80 is None else f'{100 * le80:.0f}%':>6} {fmt_cell(r['startup_s']):>7}"
-                     + (f"  {r['errors'][0]}" if r["errors"] else ""))
+                     + (f"  {r['errors'][0]}" if r["errors"] else "")
+                     + ("  (client was the bottleneck: more --driver-processes)" if s["client_bottleneck"] else ""))
     return "\n".join(lines)
 
 
@@ -429,10 +443,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-wav", type=Path, required=True, help="speech WAV every session sends")
     parser.add_argument("--output-dir", type=Path, required=True, help="where capacity.json and the logs go")
     parser.add_argument("--load-frames", type=int, default=250, metavar="F",
-                        help="80 ms frames per session, silence tail included (default: 250, 20 s)")
-    parser.add_argument("--drivers-per-server", type=int, default=1, metavar="K",
-                        help=f"load driver processes per server, at least (each drives at most {MAX_LOAD_SESSIONS} "
-                             f"sessions; default: 1)")
+                        help="80 ms frames per session, silence tail included (default: 250, 20 s; a capacity "
+                             "point wants full windows: 3000 with --tail-s 200)")
+    parser.add_argument("--tail-s", type=float, default=2.0, metavar="S",
+                        help="seconds of silence after the input WAV, so that --load-frames can exceed its length "
+                             "(default: 2)")
+    parser.add_argument("--driver-processes", type=int, default=None, metavar="P",
+                        help=f"worker processes of each server's load driver (1..{MAX_PROCESSES}; default: the "
+                             "driver's own, one per 32 sessions up to the CPU count)")
     parser.add_argument("--checkpoint", help="PERSONAPLEX_CHECKPOINT of the servers (default: unset, the tiny demo "
                                              "model); random:personaplex-7b is the 7B shape with random weights")
     parser.add_argument("--kv-cache", help="PERSONAPLEX_KV_CACHE of the servers (e.g. fp8)")
@@ -450,9 +468,15 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[Layout]]:
     """Parsed and checked arguments; UsageError for anything bad."""
     args = build_parser().parse_args(argv)
     layouts = [parse_layout(spec) for spec in args.layout]
-    for name in ("sessions_per_device", "load_frames", "drivers_per_server"):
+    for name in ("sessions_per_device", "load_frames"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.driver_processes is not None and not 1 <= args.driver_processes <= MAX_PROCESSES:
+        raise UsageError(f"--driver-processes must be in [1, {MAX_PROCESSES}], got {args.driver_processes}")
+    if args.sessions_per_device > MAX_LOAD_SESSIONS:
+        raise UsageError(f"--sessions-per-device must be <= {MAX_LOAD_SESSIONS} (the load driver's limit)")
+    if not (args.tail_s >= 0 and math.isfinite(args.tail_s)):
+        raise UsageError(f"--tail-s must be finite and >= 0, got {args.tail_s}")
     if args.sessions_per_device < 2:
         # The load driver needs a server that advertises multi-session (max_sessions >= 2).
         raise UsageError("--sessions-per-device must be >= 2: the load driver needs a multi-session server "

@@ -17,7 +17,9 @@ import base64
 import itertools
 import json
 import threading
+import wave
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,17 @@ def tone_frame(amplitude: float, index: int) -> np.ndarray:
     """One 80 ms frame of a 300 Hz tone at ``amplitude`` (RMS = amplitude / sqrt(2))."""
     t = (np.arange(FRAME) + index * FRAME) / RATE
     return amplitude * np.sin(2 * np.pi * 300.0 * t)
+
+
+def write_tone_wav(path: Path, seconds: float) -> Path:
+    """A 24 kHz mono PCM16 WAV of a 200 Hz tone at 0.3 (the driver's input in these tests)."""
+    t = np.arange(int(seconds * RATE)) / RATE
+    with wave.open(str(path), "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(RATE)
+        wav.writeframes((0.3 * np.sin(2 * np.pi * 200 * t) * 32767).astype("<i2").tobytes())
+    return Path(path)
 
 
 def pcm16(samples: np.ndarray) -> bytes:
@@ -57,6 +70,13 @@ class Behaviour:
     binary_at_frame: int | None = None  # send a binary websocket frame after this input frame
     vllm_omni_metadata: bool = False
     foreign_metadata_session: bool = False  # metadata.session_id names another session
+    delay_s: float = 0.0  # every output delta leaves this long after its input frame arrived
+    drop_frames: frozenset[int] = frozenset()  # input frames (0-based) whose output is never sent
+    # After the input stalls for silence_grace_s, feed this many frames of the server's own
+    # silence (one per 80 ms), as a server that keeps a session clocked does.
+    silence_frames: int = 0
+    silence_grace_s: float = 0.3
+    report_silence: bool = True  # say so in metadata.timing.silence_input_frames
     capabilities: dict[str, Any] = field(default_factory=lambda: dict(CAPABILITIES))
 
 
@@ -66,6 +86,35 @@ class SessionLog:
     headers: dict[str, str]
     path: str
     received: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Stream:
+    """One session's output state, and its way out (at once, or ``delay_s`` late in order)."""
+
+    def __init__(self, ws: ServerConnection, response_id: str, session_id: str, delay_s: float = 0.0) -> None:
+        self.ws = ws
+        self.response_id = response_id
+        self.session_id = session_id
+        self.delay_s = delay_s
+        self.frames_in = 0
+        self.frames_out = 0
+        self.pending: list[np.ndarray] = []
+        self.pending_silence = 0
+        self.deltas = 0
+        self._due: asyncio.Queue[tuple[float, str | bytes]] = asyncio.Queue()
+
+    async def send(self, payload: str | bytes) -> None:
+        if self.delay_s:
+            self._due.put_nowait((asyncio.get_running_loop().time() + self.delay_s, payload))
+        else:
+            await self.ws.send(payload)
+
+    async def send_when_due(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due, payload = await self._due.get()
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            await self.ws.send(payload)
 
 
 class ScriptedServer:
@@ -148,47 +197,83 @@ class ScriptedServer:
         session = {"id": log.session_id, "object": "realtime.session", "capabilities": b.capabilities}
         await ws.send(json.dumps({"type": "session.created", "session": session}))
         await ws.send(json.dumps({"type": "session.updated", "session": session}))
-        response_id = b.shared_response_id or f"resp_{number:032x}"
-        frames_in = 0
-        pending: list[np.ndarray] = []
-        deltas = 0
-        async for message in ws:
-            event = json.loads(message)
-            log.received.append(event)
-            kind = event.get("type")
-            if kind == "session.close":
-                if b.close_delay_s:
-                    await asyncio.sleep(b.close_delay_s)
-                if b.answer_close:
-                    await ws.send(json.dumps({"type": "session.closed", "session_id": log.session_id,
-                                              "reason": "client_close"}))
-                    await ws.close(1000, "client_close")
-                return
-            if kind != "input_audio_buffer.append":
-                continue
-            samples = np.frombuffer(base64.b64decode(event["audio"]), dtype="<f4")
-            assert samples.size == FRAME, "the driver sends whole 1920-sample frames"
-            if frames_in == 0:
-                await ws.send(json.dumps({"type": "response.created", "response_id": response_id,
-                                          "response": {"id": response_id, "status": "in_progress"}}))
-            pending.append(tone_frame(b.amplitude, frames_in))
-            frames_in += 1
-            want = 1 if deltas == 0 else b.frames_per_delta
-            if b.send_audio and len(pending) >= want:
-                rid = response_id
-                if b.new_response_at_delta is not None and deltas >= b.new_response_at_delta:
-                    rid = response_id + "_b"
-                await ws.send(json.dumps(self._delta(rid, np.concatenate(pending), deltas, log.session_id)))
-                text = "hello" if deltas == b.text_at_delta else " "
-                await ws.send(json.dumps({"type": "response.output_audio_transcript.delta", "response_id": rid,
-                                          "delta": text}))
-                pending.clear()
-                deltas += 1
-            if b.error_at_frame == frames_in - 1:
-                await ws.send(json.dumps({"type": "error", "error": {"type": "server_error", "code": "engine_error",
-                                                                     "message": "scripted failure"}}))
-            if b.binary_at_frame == frames_in - 1:
-                await ws.send(b"\x00\x01")
+        stream = _Stream(ws, b.shared_response_id or f"resp_{number:032x}", log.session_id, b.delay_s)
+        sender = asyncio.create_task(stream.send_when_due()) if b.delay_s else None
+        silence_left = b.silence_frames
+        feeding = False
+        try:
+            while True:
+                timeout = None
+                if stream.frames_in and silence_left:
+                    timeout = FRAME / RATE if feeding else b.silence_grace_s
+                try:
+                    message = await asyncio.wait_for(ws.recv(), timeout)
+                except TimeoutError:  # the input stalled: one frame of the server's own silence
+                    feeding = True
+                    silence_left -= 1
+                    await self._output(stream, silence=True)
+                    continue
+                feeding = False
+                if not await self._on_message(stream, log, message):
+                    return
+        finally:
+            if sender is not None:
+                sender.cancel()
+
+    async def _on_message(self, stream: "_Stream", log: SessionLog, message: str | bytes) -> bool:
+        """Answer one client message; False once the session is over."""
+        b = self.behaviour
+        event = json.loads(message)
+        log.received.append(event)
+        kind = event.get("type")
+        if kind == "session.close":
+            if b.close_delay_s:
+                await asyncio.sleep(b.close_delay_s)
+            if b.answer_close:
+                await stream.ws.send(json.dumps({"type": "session.closed", "session_id": log.session_id,
+                                                 "reason": "client_close"}))
+                await stream.ws.close(1000, "client_close")
+            return False
+        if kind != "input_audio_buffer.append":
+            return True
+        samples = np.frombuffer(base64.b64decode(event["audio"]), dtype="<f4")
+        assert samples.size == FRAME, "the driver sends whole 1920-sample frames"
+        if stream.frames_in == 0:
+            await stream.send(json.dumps({"type": "response.created", "response_id": stream.response_id,
+                                          "response": {"id": stream.response_id, "status": "in_progress"}}))
+        frame = stream.frames_in
+        stream.frames_in += 1
+        if frame not in b.drop_frames:
+            await self._output(stream, silence=False)
+        if b.error_at_frame == frame:
+            await stream.send(json.dumps({"type": "error", "error": {"type": "server_error", "code": "engine_error",
+                                                                    "message": "scripted failure"}}))
+        if b.binary_at_frame == frame:
+            await stream.send(b"\x00\x01")
+        return True
+
+    async def _output(self, stream: "_Stream", *, silence: bool) -> None:
+        """One output frame; a delta (and its transcript delta) once enough are pending."""
+        b = self.behaviour
+        stream.pending.append(tone_frame(b.amplitude, stream.frames_out))
+        stream.frames_out += 1
+        stream.pending_silence += silence
+        want = 1 if stream.deltas == 0 else b.frames_per_delta
+        if not b.send_audio or len(stream.pending) < want:
+            return
+        rid = stream.response_id
+        if b.new_response_at_delta is not None and stream.deltas >= b.new_response_at_delta:
+            rid = stream.response_id + "_b"
+        event = self._delta(rid, np.concatenate(stream.pending), stream.deltas, stream.session_id)
+        if b.report_silence:
+            event["metadata"]["timing"] = {"silence_input_frames": stream.pending_silence}
+        await stream.send(json.dumps(event))
+        text = "hello" if stream.deltas == b.text_at_delta else " "
+        await stream.send(json.dumps({"type": "response.output_audio_transcript.delta", "response_id": rid,
+                                      "delta": text}))
+        stream.pending.clear()
+        stream.pending_silence = 0
+        stream.deltas += 1
 
     def _delta(self, response_id: str, samples: np.ndarray, index: int, session_id: str) -> dict[str, Any]:
         b = self.behaviour
@@ -215,3 +300,19 @@ class ScriptedServer:
         elif how == "empty":
             event["delta"] = ""
         return event
+
+
+def main() -> None:
+    """``python -m tests.e2e.online_serving.scripted_server [BEHAVIOUR_JSON]``: serve in this
+    process (so a long test's server does not share the driver's interpreter), print
+    ``port N`` once listening, stop when stdin closes."""
+    import sys
+
+    behaviour = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    with ScriptedServer(**behaviour) as server:
+        print(f"port {server.port}", flush=True)
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main()

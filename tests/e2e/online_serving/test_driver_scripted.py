@@ -15,15 +15,19 @@ import numpy as np
 import pytest
 
 from .personaplex_realtime_duplex import EXIT_NOT_OK, EXIT_OK, EXIT_USAGE, main
-from .realtime_duplex import load as load_mode
-from .scripted_server import FRAME, ScriptedServer
+from orchestrator.load_driver import load as load_mode
+from .scripted_server import FRAME, ScriptedServer, write_tone_wav
 
 FRAMES = 6  # input frames per load session in these tests (0.48 s)
 TOP_LEVEL_FIELDS = {
     "schema_version", "mode", "model", "requested_sessions", "passed_sessions", "ok", "input", "frame_period_s",
     "drain_s", "cleanup_timeout_s", "client_pacing_warning_threshold_ms", "client_pacing_warning_sessions",
     "max_client_rtf", "max_stream_rtf", "max_lag_drift_ms", "acceptance", "shared_response_ids", "sessions",
-    "reported_server", "measurement_origin", "interval_definition", "stream_timing_definition"}
+    "reported_server", "measurement_origin", "interval_definition", "stream_timing_definition",
+    # added by this driver (the reference's fields above are unchanged)
+    "processes", "client_bottleneck_threshold_ms", "max_stream_lag_ms", "max_gap_ms", "hold_stream_lag_p99_ms",
+    "hold_max_gap_ms", "stream_lag_ms", "max_output_gap_ms", "client_send_lateness_ms", "client_bottleneck",
+    "holding_sessions", "stream_lag_definition", "server_fed_definition"}
 ROW_FIELDS = {
     "index", "session_id", "ok", "error", "acceptance_check", "server_error_count", "server_error_codes",
     "protocol_violations", "input_frames", "output_samples", "frame_deficit", "response_ids",
@@ -32,20 +36,15 @@ ROW_FIELDS = {
     "audio_underrun_event_count", "audio_continuity_ok", "server_stream_rtf", "stream_lag_drift_ms", "stream_lag_ms",
     "playout_stall_ms", "playout_stalled", "steady_playout_stall_ms", "steady_playout_stalled", "output_frames",
     "voiced_frames", "silent_frames", "frame_coverage_ratio", "audio_rms", "audio_chunks", "audio_samples",
-    "scheduler_data_plane", "input_timeline", "audio_packet_timeline", "invalid_audio_packets"}
+    "scheduler_data_plane", "input_timeline", "audio_packet_timeline", "invalid_audio_packets",
+    # added by this driver
+    "worker", "max_output_gap_ms", "holds_real_time", "client_grid_restarts", "server_fed_frames", "server_fed_frames_source"}
 
 
 @pytest.fixture(scope="module")
 def tone_wav(tmp_path_factory) -> Path:
     """0.4 s of a 24 kHz tone (with the default test tail of 0.2 s: 8 frames)."""
-    path = tmp_path_factory.mktemp("driver-input") / "tone.wav"
-    t = np.arange(int(0.4 * 24000)) / 24000
-    with wave.open(str(path), "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(24000)
-        wav.writeframes((0.3 * np.sin(2 * np.pi * 200 * t) * 32767).astype("<i2").tobytes())
-    return path
+    return write_tone_wav(tmp_path_factory.mktemp("driver-input") / "tone.wav", 0.4)
 
 
 def run_cli(server: ScriptedServer, wav: Path, out: Path, *extra: str) -> int:
@@ -345,16 +344,20 @@ def test_lifecycle_reports_a_server_error(tone_wav, tmp_path):
 # Command line ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags", [
-    ["--sessions", "0"], ["--sessions", "65"], ["--load-frames", "0"], ["--drain-s", "nan"], ["--tail-s", "-1"],
+    ["--sessions", "0"], ["--sessions", "1025"], ["--load-frames", "0"], ["--drain-s", "nan"], ["--tail-s", "-1"],
     ["--timeout-s", "0"], ["--cleanup-timeout-s", "inf"], ["--max-stream-rtf", "0"], ["--max-lag-drift-ms", "-1"],
     ["--min-voiced-frames", "0"], ["--admission-limit", "1"], ["--api-key-env", "DRIVER_TEST_UNSET_VARIABLE"],
-    ["--url", "http://127.0.0.1:8000/v1/realtime"],
+    ["--url", "http://127.0.0.1:8000/v1/realtime"], ["--processes", "0", "--sessions", "4"],
+    ["--processes", "5", "--sessions", "4"], ["--processes", "2"], ["--processes", "two", "--sessions", "4"],
+    ["--max-stream-lag-ms", "0"], ["--max-gap-ms", "-5"], ["--max-gap-ms", "nan"],
 ])
 def test_cli_rejects_bad_flags(tone_wav, tmp_path, flags, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--model", "m", "--input-wav", str(tone_wav), "--output-dir", str(tmp_path), *flags])
     assert exit_.value.code == EXIT_USAGE
-    assert flags[0] in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert flags[0] in err
+    assert len(err.strip().splitlines()) == 1, err  # one line, no usage dump
     assert not (tmp_path / "load-result.json").exists()
 
 

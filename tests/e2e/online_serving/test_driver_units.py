@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from .realtime_duplex import acceptance, metrics, wire
-from .realtime_duplex.audio import frame_count, load_input, read_wav_float32, resample_linear
-from .realtime_duplex.packets import packet_log
-from .realtime_duplex.pacing import PacingGrid, send_paced
+from orchestrator.load_driver import acceptance, metrics, wire
+from orchestrator.load_driver.audio import InputAudio, frame_count, load_input, read_wav_float32, resample_linear
+from orchestrator.load_driver.packets import AudioTally, packet_log
+from orchestrator.load_driver.pacing import PacingGrid, send_paced
 
 FRAME = 1920
 
@@ -121,6 +122,20 @@ def test_stream_timing_without_enough_points_is_null():
     assert t["stream_lag_ms"]["count"] == 0
 
 
+def test_stream_lags_gaps_and_frames_after():
+    sends = [(0.08 * k, 0.08 * k, 0.08 * k + 0.01) for k in range(4)]
+    # frames 0..3 arrive 30 ms after their reference (send completion + 80 ms), frame 3 in a
+    # second packet with a surplus frame
+    arrivals, samples = [0.12, 0.20, 0.28, 0.36], [FRAME, FRAME, FRAME, 2 * FRAME]
+    assert metrics.stream_lags_ms(arrivals, samples, sends) == pytest.approx([30.0] * 4)
+    assert metrics.longest_gap_ms(arrivals) == pytest.approx(80.0)
+    assert metrics.longest_gap_ms([1.0]) is None
+    # the surplus frame (index 4) completed at 0.36: after 0.3 it counts, after 0.4 it does not
+    assert metrics.frames_completed_after(arrivals, samples, 4, after=0.3) == 1
+    assert metrics.frames_completed_after(arrivals, samples, 4, after=0.4) == 0
+    assert metrics.frames_completed_after(arrivals, samples, 0, after=0.0) == 5
+
+
 def test_least_squares_slope():
     assert metrics.least_squares_slope([0, 1, 2], [1, 3, 5]) == pytest.approx(2.0)
     assert metrics.least_squares_slope([1, 1], [0, 5]) is None
@@ -147,6 +162,33 @@ def test_audio_stats_counts_voiced_frames():
     assert partial["frame_coverage_ratio"] is None  # no input: not a ratio of zero
     empty = metrics.audio_stats(b"", input_frames=3, voiced_rms_threshold=1e-3)
     assert empty["audio_rms"] is None and empty["output_frames"] == 0 and empty["frame_deficit"] == 3
+
+
+def test_audio_tally_fed_in_pieces_equals_the_whole():
+    rng = np.random.default_rng(7)
+    pcm = (rng.standard_normal(7 * FRAME + 333) * 3000 * rng.random(7 * FRAME + 333) ** 4).astype("<i2")
+    pcm[FRAME: 2 * FRAME] = 0  # one silent frame
+    whole = metrics.audio_stats(pcm.tobytes(), input_frames=8, voiced_rms_threshold=0.01)
+    for trial in range(5):
+        cuts = np.sort(rng.choice(np.arange(1, pcm.size), size=6, replace=False))
+        tally = AudioTally(0.01)
+        for piece in np.split(pcm, cuts):
+            tally.add(piece.tobytes())
+        assert tally.stats(8) == pytest.approx(whole)
+    assert whole["voiced_frames"] < whole["output_frames"] == 7
+    fed = AudioTally(0.01)
+    fed.add(pcm.tobytes())
+    assert fed.stats(6, server_fed_frames=2)["frame_deficit"] == 1  # 7 whole frames, 2 not answers
+
+
+def test_silence_fed_frames_from_delta_metadata():
+    assert wire.silence_fed_frames({"metadata": {"timing": {"silence_input_frames": 2}}}, 3) == 2
+    assert wire.silence_fed_frames({"metadata": {"timing": {"silence_input_frames": 9}}}, 3) == 3  # clamped
+    assert wire.silence_fed_frames({"metadata": {"timing": {"silence_input": True}}}, 3) == 3
+    assert wire.silence_fed_frames({"metadata": {"timing": {"silence_input": False}}}, 3) == 0
+    assert wire.silence_fed_frames({"metadata": {"timing": {"silence_input_frames": True}}}, 3) is None
+    assert wire.silence_fed_frames({"metadata": {"timing": {}}}, 3) is None
+    assert wire.silence_fed_frames({}, 3) is None
 
 
 # Wire ------------------------------------------------------------------------------------------
@@ -278,6 +320,23 @@ def test_acceptance_checks_in_order():
                     "duplex-a") == "session_identity"
 
 
+def test_surplus_frames_are_server_fed_only_after_the_input_ended():
+    events = [_tone_delta(1), _tone_delta(5)]  # six frames; the last packet arrives at t = 1.0
+    log = packet_log(events, [0.0, 1.0])
+    # the input (5 frames) ended before the last packet: its surplus frame is server-fed silence
+    stats, failure = acceptance.evaluate(log, input_frames=5, thresholds=acceptance.Thresholds(), input_ended_at=0.5)
+    assert failure is None and stats["server_fed_frames"] == 1 and stats["server_fed_frames_source"] == "timing"
+    assert stats["frame_deficit"] == 0
+    # the input ended after it: the server answered ahead of the input, which is surplus output
+    stats, failure = acceptance.evaluate(log, input_frames=5, thresholds=acceptance.Thresholds(), input_ended_at=1.5)
+    assert failure.check == "frame_deficit" and stats["server_fed_frames"] == 0
+    # the deltas' own count wins over timing
+    said = packet_log([_tone_delta(1, metadata={"timing": {"silence_input_frames": 0}}), _tone_delta(5)], [0.0, 1.0])
+    stats, failure = acceptance.evaluate(said, input_frames=5, thresholds=acceptance.Thresholds(),
+                                         input_ended_at=0.5)
+    assert stats["server_fed_frames_source"] == "metadata" and failure.check == "frame_deficit"
+
+
 def test_sample_rate_check_sees_empty_packets_too():
     # an empty delta escapes the packet rules but still declares its rate
     assert _failure([_tone_delta(1), _tone_delta(5), _delta(delta="", sample_rate_hz=16000)], 6) == "sample_rate"
@@ -306,13 +365,17 @@ def test_send_paced_records_planned_started_completed():
     async def sleep(seconds: float) -> None:
         now[0] += seconds
 
-    async def send(event: dict) -> None:
+    async def send(text: str) -> None:
+        event = json.loads(text)
         sent.append(event["audio_end_ms"])
         now[0] += 0.3 if event["audio_end_ms"] == 160 else 0.001  # frame 1 blocks for 300 ms
 
     sends: list[tuple[float, float, float]] = []
     pcm = np.zeros(4 * FRAME + 10, dtype=np.float32)  # 5 frames, the last one short
-    count = asyncio.run(send_paced(send, pcm, start=100.0, sends=sends, clock=lambda: now[0], sleep=sleep))
+    frames = InputAudio("input.wav", "0" * 64, pcm).frame_texts
+    dues: list[float] = []
+    count = asyncio.run(send_paced(send, frames, start=100.0, sends=sends, clock=lambda: now[0], sleep=sleep,
+                                   dues=dues))
     assert count == 5 and sent == [80, 160, 240, 320, 400]
     planned = [s[0] for s in sends]
     assert planned == pytest.approx([100.0, 100.08, 100.16, 100.24, 100.32])
@@ -322,17 +385,21 @@ def test_send_paced_records_planned_started_completed():
     assert sends[3][1] == pytest.approx(100.54)
     lateness = metrics.send_lateness_ms(sends)
     assert lateness[0] == 0 and lateness[2] == pytest.approx(300.0)
+    # the grid in force: frames 2.. are due on the restarted grid, one restart in all
+    assert dues == pytest.approx([100.0, 100.08, 100.46, 100.54, 100.62])
+    assert metrics.grid_restarts(sends, dues) == 1
 
 
 def test_send_paced_honours_max_frames():
     async def sleep(seconds: float) -> None:
         pass
 
-    async def send(event: dict) -> None:
+    async def send(text: str) -> None:
         pass
 
     sends: list = []
-    assert asyncio.run(send_paced(send, np.zeros(10 * FRAME, np.float32), start=0.0, sends=sends, sleep=sleep,
+    frames = InputAudio("input.wav", "0" * 64, np.zeros(10 * FRAME, np.float32)).frame_texts
+    assert asyncio.run(send_paced(send, frames, start=0.0, sends=sends, sleep=sleep,
                                   clock=lambda: 0.0, max_frames=3)) == 3
     assert len(sends) == 3
 

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable
-
-import numpy as np
+from typing import Awaitable, Callable, Sequence
 
 from . import wire
-from .audio import frame_at, frame_count
 from .metrics import Send
 
 
@@ -45,8 +42,8 @@ class PacingGrid:
 
 
 async def send_paced(
-    send: Callable[[dict], Awaitable[None]],
-    pcm: np.ndarray,
+    send: Callable[[str], Awaitable[None]],
+    frames: Sequence[str],
     *,
     start: float,
     sends: list[Send],
@@ -54,20 +51,26 @@ async def send_paced(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     max_frames: int | None = None,
+    dues: list[float] | None = None,
 ) -> int:
-    """Send ``pcm`` frame by frame from ``start``; appends ``(planned, started, completed)``
-    to ``sends`` as it goes (so a failure mid-stream keeps the timeline).  ``before_send``
-    may raise to stop (e.g. the server reported an error).  Returns the frames sent."""
+    """Send the encoded ``frames`` one by one from ``start``; appends ``(planned, started,
+    completed)`` to ``sends`` as it goes (so a failure mid-stream keeps the timeline).
+    ``before_send`` may raise to stop (e.g. the server reported an error); it must be cheap,
+    since it runs before every frame.  ``dues``, if given, gets each frame's time on the grid in
+    force (after restarts), so that a send's own delay can be told from an earlier stall's
+    lasting offset.  Returns the frames sent."""
     grid = PacingGrid(start)
-    total = frame_count(len(pcm))
+    total = len(frames)
     if max_frames:
         total = min(total, max_frames)
     for seq in range(total):
-        await sleep(max(0.0, grid.due(seq) - clock()))
+        due = grid.due(seq)
+        if dues is not None:
+            dues.append(due)
+        await sleep(max(0.0, due - clock()))
         before_send()
-        event = wire.frame_event(frame_at(pcm, seq), seq)
         started = clock()
-        await send(event)
+        await send(frames[seq])
         completed = clock()
         sends.append((grid.planned(seq), started, completed))
         grid.sent(seq, completed)

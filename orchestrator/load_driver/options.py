@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,8 +15,19 @@ DEFAULT_VOICE = "NATF2.pt"
 DEFAULT_PERSONA = "You are a concise and helpful assistant."
 DEFAULT_SECONDARY_PERSONA = "You are a calm and precise assistant."
 DEFAULT_REPLACEMENT_PERSONA = "You are a cheerful travel assistant."
-MAX_LOAD_SESSIONS = 64
+MAX_LOAD_SESSIONS = 1024
 MAX_LOAD_FRAMES = 10_000
+# Load mode's real-time gate (a session fails past either) and the default process split.
+DEFAULT_MAX_STREAM_LAG_MS = 250.0
+DEFAULT_MAX_GAP_MS = 500.0
+SESSIONS_PER_PROCESS = 32
+MAX_PROCESSES = 256
+# A capacity run is valid only while the client keeps its grid this well (spec performance.md).
+CLIENT_LATENESS_LIMIT_MS = 20.0
+# A session "holds" real time when its stream lag p99 and its longest output gap stay within
+# these (spec performance.md): stricter than the gate, reported, not enforced.
+HOLD_STREAM_LAG_P99_MS = 100.0
+HOLD_MAX_GAP_MS = 200.0
 
 
 class OptionsError(ValueError):
@@ -51,6 +63,9 @@ class Options:
     max_client_rtf: float | None = None
     max_stream_rtf: float | None = None
     max_lag_drift_ms: float | None = None
+    max_stream_lag_ms: float = DEFAULT_MAX_STREAM_LAG_MS
+    max_gap_ms: float = DEFAULT_MAX_GAP_MS
+    processes: int | None = None  # None: one per SESSIONS_PER_PROCESS sessions, at most the CPU count
     server_revision: str | None = None
     server_hardware: str | None = None
     plot: bool = False
@@ -58,6 +73,15 @@ class Options:
     @property
     def load_mode(self) -> bool:
         return self.sessions is not None
+
+    def process_count(self, cpus: int | None = None) -> int:
+        """Driver processes of a load run: ``processes`` if set, else one per
+        ``SESSIONS_PER_PROCESS`` sessions, capped by the CPU count (never more than sessions)."""
+        sessions = self.sessions or 1
+        if self.processes is not None:
+            return min(self.processes, sessions)
+        cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+        return max(1, min(math.ceil(sessions / SESSIONS_PER_PROCESS), cpus))
 
     def validate(self) -> None:
         """Raise ``OptionsError`` naming the first flag out of range."""
@@ -92,5 +116,14 @@ class Options:
                 finite(name, value, positive=True)
         if self.max_lag_drift_ms is not None:
             finite("max-lag-drift-ms", self.max_lag_drift_ms)
+        finite("max-stream-lag-ms", self.max_stream_lag_ms, positive=True)
+        finite("max-gap-ms", self.max_gap_ms, positive=True)
+        if self.processes is not None:
+            if not 1 <= self.processes <= MAX_PROCESSES:
+                raise OptionsError(f"--processes must be in [1, {MAX_PROCESSES}], got {self.processes}")
+            if self.sessions is None:
+                raise OptionsError("--processes needs --sessions (the lifecycle mode runs in one process)")
+            if self.processes > self.sessions:
+                raise OptionsError(f"--processes {self.processes} is more than --sessions {self.sessions}")
         if not self.url.startswith(("ws://", "wss://")):
             raise OptionsError(f"--url must be a ws:// or wss:// URL, got {self.url.split('?')[0]!r}")

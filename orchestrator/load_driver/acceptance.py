@@ -58,15 +58,34 @@ class AcceptanceError(AssertionError):
         self.stats = stats
 
 
-def session_stats(log: PacketLog, *, input_frames: int, thresholds: Thresholds) -> dict[str, Any]:
-    """The session statistics of spec §7.4 (plus the data-plane report)."""
-    audio = metrics.audio_stats(bytes(log.pcm16), input_frames=input_frames,
-                                voiced_rms_threshold=thresholds.voiced_frame_rms_threshold)
+def server_fed(log: PacketLog, *, input_frames: int, input_ended_at: float | None) -> tuple[int, str | None]:
+    """Output frames made from silence the server fed itself, and how that was known.
+
+    "metadata": the deltas said so (``wire.silence_fed_frames``); "timing": no delta said, so
+    the frames past the input's count that arrived after the last input frame was sent
+    (``metrics.frames_completed_after``); None: neither is known (no send time given)."""
+    if log.reported_silence_frames is not None:
+        return log.reported_silence_frames, "metadata"
+    if input_ended_at is None:
+        return 0, None
+    return metrics.frames_completed_after(log.arrivals, log.samples, input_frames, input_ended_at), "timing"
+
+
+def session_stats(log: PacketLog, *, input_frames: int, thresholds: Thresholds,
+                  input_ended_at: float | None = None) -> dict[str, Any]:
+    """The session statistics of spec §7.4 (plus the data-plane report and the frames the
+    server fed from its own silence, which are not answers to the input)."""
+    if log.audio.voiced_rms_threshold != thresholds.voiced_frame_rms_threshold:
+        raise ValueError("the packet log judged voiced frames at another RMS threshold than the acceptance's")
+    fed, source = server_fed(log, input_frames=input_frames, input_ended_at=input_ended_at)
+    audio = log.audio.stats(input_frames, fed)
     return {
         "audio_chunks": log.chunks,
         "audio_samples": audio["audio_samples"],
         "audio_rms": audio["audio_rms"],
         "output_frames": audio["output_frames"],
+        "server_fed_frames": fed,
+        "server_fed_frames_source": source,
         "voiced_frames": audio["voiced_frames"],
         "silent_frames": audio["silent_frames"],
         "frame_deficit": audio["frame_deficit"],
@@ -85,8 +104,8 @@ def first_failure(log: PacketLog, stats: dict[str, Any], *, input_frames: int, t
     if log.invalid:
         codes = sorted({p["code"] for p in log.invalid})
         return Failure("audio_packets", f"{len(log.invalid)} invalid audio packets: {', '.join(codes)}")
-    if not log.pcm16 or len(log.pcm16) % 2:
-        return Failure("pcm16_output", f"no PCM16 output: chunks={log.chunks}, bytes={len(log.pcm16)}")
+    if not log.output_samples:
+        return Failure("pcm16_output", f"no PCM16 output: chunks={log.chunks}, bytes=0")
     if rms is None or not math.isfinite(rms) or rms <= MIN_AUDIO_RMS:
         return Failure("audio_rms", f"output is silent or non-finite: samples={stats['audio_samples']}, rms={rms}")
     if log.rates != {SAMPLE_RATE_HZ}:
@@ -101,6 +120,7 @@ def first_failure(log: PacketLog, stats: dict[str, Any], *, input_frames: int, t
     deficit = stats["frame_deficit"]
     if not 0 <= deficit <= thresholds.max_frame_deficit:
         return Failure("frame_deficit", f"input_frames={input_frames} output_frames={stats['output_frames']} "
+                                        f"server_fed_frames={stats['server_fed_frames']} "
                                         f"deficit={deficit}, allowed [0, {thresholds.max_frame_deficit}]")
     if stats["voiced_frames"] < thresholds.min_voiced_frames:
         return Failure("voiced_frames", f"{stats['voiced_frames']} voiced frames (RMS >= "
@@ -118,9 +138,11 @@ def first_failure(log: PacketLog, stats: dict[str, Any], *, input_frames: int, t
 
 
 def evaluate(log: PacketLog, *, input_frames: int, thresholds: Thresholds, minimum_chunks: int | None = None,
-             session_id: str | None = None) -> tuple[dict[str, Any], Failure | None]:
-    """Statistics (without private keys) and the first failure."""
-    stats = session_stats(log, input_frames=input_frames, thresholds=thresholds)
+             session_id: str | None = None, input_ended_at: float | None = None
+             ) -> tuple[dict[str, Any], Failure | None]:
+    """Statistics (without private keys) and the first failure.  ``input_ended_at``: when the
+    last input frame finished sending (lets surplus frames be told from server-fed ones)."""
+    stats = session_stats(log, input_frames=input_frames, thresholds=thresholds, input_ended_at=input_ended_at)
     failure = first_failure(log, stats, input_frames=input_frames, thresholds=thresholds,
                             minimum_chunks=minimum_chunks, session_id=session_id)
     return {k: v for k, v in stats.items() if not k.startswith("_")}, failure

@@ -46,20 +46,35 @@ def fmt_cell(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
+def _pair(stats: dict[str, Any], digits: int = 1) -> str:
+    return f"{fmt_cell(stats['median'], digits)}/{fmt_cell(stats['p99'], digits)}"
+
+
 def load_summary(result: dict[str, Any], path: Path) -> str:
-    """One line per session and a verdict."""
-    lines = [f"{'#':>3} {'ok':>3} {'first audio ms':>14} {'interval p50/p99 ms':>19} {'client RTF':>10} "
-             f"{'stream RTF':>10} {'underrun s':>10} {'deficit':>7}  error"]
+    """One line per session, a line pooled over the run, and the verdict."""
+    lines = [f"{'#':>4} {'ok':>3} {'holds':>5} {'first audio ms':>14} {'lag p50/p99 ms':>15} {'max gap ms':>10} "
+             f"{'send late p99':>13} {'stream RTF':>10} {'deficit':>7} {'fed':>4}  error"]
     for row in result["sessions"]:
-        interval = row["client_audio_packet_interval_ms"]
         lines.append(
-            f"{row['index']:>3} {fmt_cell(row['ok']):>3} {fmt_cell(row['client_first_audio_after_stream_start_ms']):>14} "
-            f"{fmt_cell(interval['median']) + '/' + fmt_cell(interval['p99']):>19} {fmt_cell(row['client_stream_rtf'], 3):>10} "
-            f"{fmt_cell(row['server_stream_rtf'], 3):>10} {fmt_cell(row['audio_underrun_s'], 3):>10} "
-            f"{fmt_cell(row['frame_deficit']):>7}  {row['error'] or ''}")
+            f"{row['index']:>4} {fmt_cell(row['ok']):>3} {fmt_cell(row['holds_real_time']):>5} "
+            f"{fmt_cell(row['client_first_audio_after_stream_start_ms']):>14} {_pair(row['stream_lag_ms']):>15} "
+            f"{fmt_cell(row['max_output_gap_ms']):>10} {fmt_cell(row['client_send_lateness_ms']['p99']):>13} "
+            f"{fmt_cell(row['server_stream_rtf'], 3):>10} {fmt_cell(row['frame_deficit']):>7} "
+            f"{fmt_cell(row['server_fed_frames']):>4}  {row['error'] or ''}")
+    lines.append(f"{'all':>4} {'':>3} {result['holding_sessions']:>5} {'':>14} {_pair(result['stream_lag_ms']):>15} "
+                 f"{fmt_cell(result['max_output_gap_ms']):>10} "
+                 f"{fmt_cell(result['client_send_lateness_ms']['p99']):>13}")
     verdict = "OK" if result["ok"] else "NOT OK"
-    lines.append(f"{verdict}: {result['passed_sessions']} of {result['requested_sessions']} sessions passed; "
-                 f"result in {path}")
+    lines.append(f"{verdict}: {result['passed_sessions']} of {result['requested_sessions']} sessions passed "
+                 f"(gate: lag p99 <= {result['max_stream_lag_ms']:g} ms, gaps <= {result['max_gap_ms']:g} ms); "
+                 f"{result['holding_sessions']} hold real time (lag p99 <= {result['hold_stream_lag_p99_ms']:g} ms, "
+                 f"gaps <= {result['hold_max_gap_ms']:g} ms); {result['processes']} driver "
+                 f"process{'' if result['processes'] == 1 else 'es'}; result in {path}")
+    if result["client_bottleneck"]:
+        lines.append(f"warning: the client was the bottleneck: send lateness p99 "
+                     f"{fmt_cell(result['client_send_lateness_ms']['p99'])} ms > "
+                     f"{result['client_bottleneck_threshold_ms']:g} ms, so these figures measure the driver as much "
+                     f"as the server; rerun with more --processes")
     if result["client_pacing_warning_sessions"]:
         lines.append(f"warning: the client could not keep its 80 ms pacing in sessions "
                      f"{result['client_pacing_warning_sessions']} (send lateness p99 > 80 ms)")

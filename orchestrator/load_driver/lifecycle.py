@@ -30,7 +30,6 @@ from . import acceptance, wire
 from .audio import InputAudio, load_input, write_pcm16_wav
 from .metrics import Send
 from .options import Options
-from .packets import packet_log
 from .pacing import send_paced
 from .probe import RealtimeProbe
 from .report import write_json
@@ -154,7 +153,8 @@ class _Scenario:
 
     async def _connect(self, label: str, persona: str) -> RealtimeProbe:
         probe = RealtimeProbe(self.url, label=label, api_key=self.opts.api_key,
-                              close_timeout_s=self.opts.cleanup_timeout_s)
+                              close_timeout_s=self.opts.cleanup_timeout_s, keep_events=True,
+                              voiced_rms_threshold=self.opts.thresholds.voiced_frame_rms_threshold)
         await asyncio.wait_for(probe.connect(self.opts.timeout_s), self.opts.timeout_s)
         await probe.send(wire.session_update(model=self.opts.model, voice=self.opts.voice, persona=persona),
                          self.opts.timeout_s)
@@ -162,11 +162,7 @@ class _Scenario:
 
     async def _created_or_error(self, probe: RealtimeProbe) -> dict[str, Any]:
         """The first ``session.created`` or ``error`` of an opening session."""
-        def answered() -> bool:
-            return any(e.get("type") in ("session.created", "error") for e in probe.events)
-
-        await probe.wait_for(answered, self.opts.timeout_s, "session.created", fail_fast=False)
-        return next(e for e in probe.events if e.get("type") in ("session.created", "error"))
+        return await probe.wait_first_of(("session.created", "error"), self.opts.timeout_s, "session.created")
 
     async def _check_admission_limit(self) -> None:
         limit = self.opts.admission_limit
@@ -201,7 +197,7 @@ class _Scenario:
         opts = self.opts
         start = time.monotonic() + 0.01
         counts = await _all_or_nothing([
-            send_paced(lambda event, p=m.probe: p.send(event, opts.timeout_s), self.audio.pcm, start=start,
+            send_paced(lambda text, p=m.probe: p.send_text(text, opts.timeout_s), self.audio.frame_texts, start=start,
                        sends=m.sends, before_send=m.probe.check, max_frames=max_frames) for m in members])
         for member, sent in zip(members, counts):
             member.input_frames += sent
@@ -213,9 +209,10 @@ class _Scenario:
             member.probe.check()
 
     def _accept(self, member: _Member, minimum_chunks: int) -> dict[str, Any]:
-        plog = packet_log(member.probe.events, member.probe.received_at)
-        stats, failure = acceptance.evaluate(plog, input_frames=member.input_frames, thresholds=self.opts.thresholds,
-                                             minimum_chunks=minimum_chunks, session_id=member.session_id)
+        stats, failure = acceptance.evaluate(member.probe.packets, input_frames=member.input_frames,
+                                             thresholds=self.opts.thresholds, minimum_chunks=minimum_chunks,
+                                             session_id=member.session_id,
+                                             input_ended_at=member.sends[-1][2] if member.sends else None)
         if failure is not None:
             self.result[member.name] = {"session_id": member.session_id, "input_frames": member.input_frames,
                                         **stats, "acceptance_check": failure.check}
@@ -241,8 +238,7 @@ class _Scenario:
         with (self.output_dir / f"{member.name}-events.jsonl").open("w", encoding="utf-8") as stream:
             for event in probe.events:
                 stream.write(json.dumps(event, ensure_ascii=False) + "\n")
-        plog = packet_log(probe.events, probe.received_at)
-        write_pcm16_wav(self.output_dir / f"{member.name}-output.wav", bytes(plog.pcm16))
+        write_pcm16_wav(self.output_dir / f"{member.name}-output.wav", probe.packets.pcm16)
 
     async def cleanup(self) -> None:
         """Close whatever is still open (bounded), saving each named session first."""
@@ -260,7 +256,7 @@ class _Scenario:
     def plot_series(self) -> list[dict[str, Any]]:
         series = []
         for member in self.members.values():
-            plog = packet_log(member.probe.events, member.probe.received_at)
+            plog = member.probe.packets
             series.append({"label": member.name, "sends": member.sends, "arrivals": plog.arrivals,
                            "samples": plog.samples})
         return series
@@ -292,6 +288,7 @@ async def _quietly(awaitable, timeout_s: float) -> None:
 async def run_lifecycle(opts: Options) -> dict[str, Any]:
     """Run the scenario and write its files; returns the result (``ok`` false on failure)."""
     audio = load_input(Path(opts.input_wav), tail_s=opts.tail_s, expected_sha256=opts.expected_input_sha256)
+    audio.frame_texts  # encode every frame once, before any clock starts
     output_dir = Path(opts.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     log.info("lifecycle: %d input frames (%.1f s) against %s", audio.frames, audio.frames * wire.FRAME_PERIOD_S,

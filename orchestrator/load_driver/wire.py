@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from typing import Any, Mapping
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -110,6 +111,12 @@ def session_close() -> dict[str, Any]:
     return {"type": "session.close"}
 
 
+def encode(event: Mapping[str, Any]) -> str:
+    """An event as the compact JSON text the driver sends."""
+    return json.dumps(event, separators=(",", ":"))
+
+
+
 # Reading server events --------------------------------------------------------------------------
 
 def session_id_of(created: Mapping[str, Any]) -> str | None:
@@ -192,6 +199,25 @@ def proves_scheduler_data_plane(event: Mapping[str, Any]) -> bool:
     block = metadata.get("vllm_omni") if isinstance(metadata, Mapping) else None
     return (isinstance(block, Mapping) and block.get("runtime_impl") == "scheduler_data_plane"
             and block.get("uses_model_runner_scheduler") is True and block.get("runner_kv_backed") is True)
+
+
+def silence_fed_frames(event: Mapping[str, Any], frames: int) -> int | None:
+    """How many of an audio delta's ``frames`` the server says it made from silence it fed
+    itself (after the client's input stalled or ended), or None when the delta does not say.
+
+    personaplex-serve puts ``metadata.timing.silence_input_frames`` (a count) on every delta;
+    a delta with only the boolean ``metadata.timing.silence_input`` counts as all or none."""
+    metadata = event.get("metadata")
+    timing = metadata.get("timing") if isinstance(metadata, Mapping) else None
+    if not isinstance(timing, Mapping):
+        return None
+    count = timing.get("silence_input_frames")
+    if isinstance(count, int) and not isinstance(count, bool):
+        return min(max(count, 0), frames)
+    flag = timing.get("silence_input")
+    if isinstance(flag, bool):
+        return frames if flag else 0
+    return None
 
 
 def metadata_session_id(event: Mapping[str, Any]) -> str | None:

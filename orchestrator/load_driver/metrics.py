@@ -18,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .packets import AudioTally
 from .wire import FRAME_PERIOD_S, FRAME_SAMPLES, SAMPLE_RATE_HZ
 
 # A player that starts this long after its first buffered packet (a small jitter buffer).
@@ -69,9 +70,24 @@ def packet_intervals_ms(arrivals: Sequence[float]) -> list[float]:
     return [(b - a) * 1000.0 for a, b in zip(arrivals, arrivals[1:])]
 
 
+def longest_gap_ms(arrivals: Sequence[float]) -> float | None:
+    """The longest time between two consecutive output packets, ms (what a listener's jitter
+    buffer must cover); None with fewer than two packets."""
+    if len(arrivals) < 2:
+        return None
+    return max(b - a for a, b in zip(arrivals, arrivals[1:])) * 1000.0
+
+
 def send_lateness_ms(sends: Sequence[Send]) -> list[float]:
     """How late each send started against its planned grid time, ms (early counts as 0)."""
     return [max(0.0, started - planned) * 1000.0 for planned, started, _ in sends]
+
+
+def grid_restarts(sends: Sequence[Send], dues: Sequence[float]) -> int:
+    """How often the send grid restarted after a stall of more than a frame (each restart
+    shifts every later planned-vs-sent lateness by the stall; see ``pacing``)."""
+    offsets = [due - planned for (planned, _, _), due in zip(sends, dues)]
+    return sum(1 for a, b in zip(offsets, offsets[1:]) if b - a > _EPSILON_S)
 
 
 def pacing_warning(lateness: dict[str, float | int | None]) -> bool | None:
@@ -183,6 +199,30 @@ def frame_completions(arrivals: Sequence[float], samples: Sequence[int],
     return completed, edges
 
 
+def frames_completed_after(arrivals: Sequence[float], samples: Sequence[int], first_frame: int,
+                           after: float) -> int:
+    """Output frames with index >= ``first_frame`` that completed after time ``after``.
+
+    In lockstep output frame k answers input frame k, so frames past the input's count that
+    arrive after the last input frame was sent can only come from silence the server fed
+    itself; frames past the count that arrive earlier are surplus output."""
+    total, count = 0, 0
+    for arrival, n in zip(arrivals, samples):
+        before, total = total, total + n
+        if arrival > after:
+            lo, hi = max(before // FRAME_SAMPLES, first_frame), total // FRAME_SAMPLES
+            count += max(0, hi - lo)
+    return count
+
+
+def stream_lags_ms(arrivals: Sequence[float], samples: Sequence[int], sends: Sequence[Send]) -> list[float]:
+    """Per output frame k (k < input frames): its completion minus (the send completion of
+    input frame k + 80 ms), ms.  A lockstep server that answers each frame the moment it
+    arrives scores its own processing time; a server falling behind scores a rising line."""
+    completed, _ = frame_completions(arrivals, samples, len(sends))
+    return [(done - sends[k][2] - FRAME_PERIOD_S) * 1000.0 for k, done in enumerate(completed)]
+
+
 def stream_timing(arrivals: Sequence[float], samples: Sequence[int], sends: Sequence[Send]) -> dict[str, object]:
     """Output timing against the actual sends.
 
@@ -209,7 +249,7 @@ def stream_timing(arrivals: Sequence[float], samples: Sequence[int], sends: Sequ
     return {
         "server_stream_rtf": rtf,
         "stream_lag_drift_ms": drift_ms,
-        "stream_lag_ms": distribution([(done - ref) * 1000.0 for done, ref in zip(completed, references)]),
+        "stream_lag_ms": distribution(stream_lags_ms(arrivals, samples, sends)),
         "playout_stall_ms": strict,
         "playout_stalled": None if strict is None else strict > 0.0,
         "steady_playout_stall_ms": steady,
@@ -219,28 +259,15 @@ def stream_timing(arrivals: Sequence[float], samples: Sequence[int], sends: Sequ
 
 # Output audio ----------------------------------------------------------------------------------
 
-def audio_stats(pcm16: bytes, *, input_frames: int, voiced_rms_threshold: float) -> dict[str, object]:
-    """Sample, frame and loudness statistics of a session's concatenated PCM16 output.
+def audio_stats(pcm16: bytes, *, input_frames: int, voiced_rms_threshold: float,
+                server_fed_frames: int = 0) -> dict[str, object]:
+    """Sample, frame and loudness statistics of a session's concatenated PCM16 output
+    (``packets.AudioTally`` computes them packet by packet; this is the one-shot form).
 
     ``voiced_frames`` counts whole 1920-sample frames whose RMS reaches the threshold;
-    ``frame_deficit`` is input frames minus whole output frames (a lockstep server owes
-    nothing after its drain, or a few frames still held in a multi-frame chunk)."""
-    samples = np.frombuffer(pcm16[: len(pcm16) // 2 * 2], dtype="<i2")
-    whole = samples.size // FRAME_SAMPLES
-    audio = samples.astype(np.float64) / 32768.0
-    rms = float(np.sqrt(np.mean(audio * audio))) if audio.size else None
-    if whole:
-        frame_rms = np.sqrt(np.mean(audio[: whole * FRAME_SAMPLES].reshape(whole, FRAME_SAMPLES) ** 2, axis=1))
-        voiced = int(np.count_nonzero(frame_rms >= voiced_rms_threshold))
-    else:
-        voiced = 0
-    return {
-        "audio_samples": int(samples.size),
-        "audio_rms": rms,
-        "output_frames": int(whole),
-        "voiced_frames": voiced,
-        "silent_frames": int(whole - voiced),
-        "frame_deficit": int(input_frames - whole),
-        "frame_coverage_ratio": (whole / input_frames) if input_frames > 0 else None,
-        "whole_codec_frames": samples.size % FRAME_SAMPLES == 0,
-    }
+    ``frame_deficit`` is input frames minus the whole output frames that answer them (a
+    lockstep server owes nothing after its drain, or a few frames still held in a multi-frame
+    chunk; frames made from silence the server fed itself are no answer)."""
+    tally = AudioTally(voiced_rms_threshold)
+    tally.add(pcm16[: len(pcm16) // 2 * 2])
+    return tally.stats(input_frames, server_fed_frames)
