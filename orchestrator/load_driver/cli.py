@@ -177,6 +177,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                       help=f"driver worker processes sharing the sessions and one start (1..{defaults.MAX_PROCESSES}, "
                            f"at most N; default: one per {defaults.SESSIONS_PER_PROCESS} sessions, at most the CPU "
                            "count)")
+    load.add_argument("--start-spread-ms", metavar="MS", type=float, default=0.0,
+                      help="spread the sessions' starts over this many ms after the shared start (0..80), as real "
+                           "clients send at arbitrary phases of the 80 ms period; 0, the reference's, starts "
+                           "every session on the same instant, which lets a server batch them trivially "
+                           "(default: %(default)s)")
     load.add_argument("--max-stream-lag-ms", metavar="MS", type=float, default=defaults.DEFAULT_MAX_STREAM_LAG_MS,
                       help="fail sessions whose stream lag p99 exceeds this (default: %(default)s)")
     load.add_argument("--max-gap-ms", metavar="MS", type=float, default=defaults.DEFAULT_MAX_GAP_MS,
@@ -221,7 +226,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         replacement_frames=args.replacement_frames, admission_limit=args.admission_limit, sessions=args.sessions,
         load_frames=args.load_frames, max_client_rtf=args.max_client_rtf, max_stream_rtf=args.max_stream_rtf,
         max_lag_drift_ms=args.max_lag_drift_ms, max_stream_lag_ms=args.max_stream_lag_ms,
-        max_gap_ms=args.max_gap_ms, processes=args.processes, server_revision=args.server_revision,
+        max_gap_ms=args.max_gap_ms, start_spread_ms=args.start_spread_ms, processes=args.processes, server_revision=args.server_revision,
         server_hardware=args.server_hardware, plot=args.plot)
     opts.validate()
     return opts

@@ -54,6 +54,8 @@ SERVER_FED_DEFINITION = (
     "not counted in frame_deficit; from the deltas' metadata.timing when the server says so (source metadata), "
     "else the frames past the input's count that completed after the last input frame was sent (source timing)")
 
+GOLDEN_FRACTION = 0.6180339887498949
+
 # Session statistics: null for a session that never got past admission.
 SESSION_STAT_FIELDS = ("frame_deficit", "output_frames", "server_fed_frames", "server_fed_frames_source",
                        "voiced_frames", "silent_frames", "frame_coverage_ratio", "audio_rms", "audio_chunks",
@@ -120,6 +122,10 @@ class LoadSession:
         self.probe = RealtimeProbe(wire.realtime_url(opts.url, opts.model), label=self.label, api_key=opts.api_key,
                                    close_timeout_s=opts.cleanup_timeout_s,
                                    voiced_rms_threshold=opts.thresholds.voiced_frame_rms_threshold)
+        # Real clients send at arbitrary phases of the 80 ms period: with --start-spread-ms each
+        # session starts this much after the shared instant (golden-ratio steps: spread evenly
+        # for any N, the same for a given index in any process split).
+        self.start_offset_s = opts.start_spread_ms / 1000.0 * ((index * GOLDEN_FRACTION) % 1.0)
         self.sends: list[metrics.Send] = []
         self.dues: list[float] = []  # each frame's time on the grid in force (pacing.send_paced)
         self.admitted = False
@@ -143,7 +149,7 @@ class LoadSession:
                     raise CapabilityMismatch("capabilities")
                 ready.set_result(None)
                 phase = "stream"
-                stream_start = await asyncio.shield(start)
+                stream_start = await asyncio.shield(start) + self.start_offset_s
                 await send_paced(lambda text: probe.send_text(text, opts.timeout_s), self.audio.frame_texts,
                                  start=stream_start, sends=self.sends, before_send=probe.check, dues=self.dues)
                 phase = "drain"
@@ -370,6 +376,7 @@ def assemble_result(opts: Options, audio: InputAudio, rows: list[dict[str, Any]]
         "drain_s": opts.drain_s,
         "cleanup_timeout_s": opts.cleanup_timeout_s,
         "processes": processes,
+        "start_spread_ms": opts.start_spread_ms,
         "client_pacing_warning_threshold_ms": wire.FRAME_PERIOD_S * 1000.0,
         "client_pacing_warning_sessions": [row["index"] for row in rows if row["client_pacing_warning"]],
         "client_bottleneck_threshold_ms": CLIENT_LATENESS_LIMIT_MS,

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import wire
 from .acceptance import Thresholds
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/realtime?duplex=1"
@@ -65,6 +66,7 @@ class Options:
     max_lag_drift_ms: float | None = None
     max_stream_lag_ms: float = DEFAULT_MAX_STREAM_LAG_MS
     max_gap_ms: float = DEFAULT_MAX_GAP_MS
+    start_spread_ms: float = 0.0  # session starts spread over this window (random phases)
     processes: int | None = None  # None: one per SESSIONS_PER_PROCESS sessions, at most the CPU count
     server_revision: str | None = None
     server_hardware: str | None = None
@@ -118,6 +120,9 @@ class Options:
             finite("max-lag-drift-ms", self.max_lag_drift_ms)
         finite("max-stream-lag-ms", self.max_stream_lag_ms, positive=True)
         finite("max-gap-ms", self.max_gap_ms, positive=True)
+        finite("start-spread-ms", self.start_spread_ms)
+        if self.start_spread_ms > 1000.0 * wire.FRAME_PERIOD_S:
+            raise OptionsError(f"--start-spread-ms must be at most one frame period (80), got {self.start_spread_ms}")
         if self.processes is not None:
             if not 1 <= self.processes <= MAX_PROCESSES:
                 raise OptionsError(f"--processes must be in [1, {MAX_PROCESSES}], got {self.processes}")

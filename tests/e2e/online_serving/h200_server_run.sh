@@ -32,7 +32,7 @@ nvidia-smi dmon -s u -d 1 > "$out/gpu-dmon.txt" 2>&1 &
 dmon=$!
 tail_s=$(python3 -c "print(max(2.0, $frames * 0.08 - 38.0))")
 python3 -m orchestrator.load_driver --model "$model" --input-wav "$wav" --sessions "$sessions" \
-    --processes "$processes" --load-frames "$frames" --tail-s "$tail_s" --plot --progress-s 30 \
+    --processes "$processes" --load-frames "$frames" --tail-s "$tail_s" --plot --progress-s 30 --start-spread-ms "${SPREAD_MS:-0}" \
     --server-revision "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
     --server-hardware "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), policy $policy" \
     --output-dir /tmp/load > "$out/summary.txt" 2> "$out/driver.log"

@@ -126,6 +126,17 @@ def test_four_processes_merge_into_the_one_process_schema(tone_wav, tmp_path):
     assert four["passed_sessions"] == 8 and four["holding_sessions"] == 8
 
 
+def test_start_spread_puts_sessions_at_different_phases(tone_wav, tmp_path):
+    with ScriptedServer(capacity=8) as server:
+        code, result = run_load(server, tone_wav, tmp_path, 4, "--drain-s", "0.4", "--processes", "2",
+                                "--start-spread-ms", "80")
+    assert code == EXIT_OK and result["start_spread_ms"] == 80
+    starts = [row["input_timeline"][0]["planned_at_s"] for row in result["sessions"]]
+    offsets = [(start - starts[0]) * 1000.0 for start in starts]
+    # golden-ratio steps over 80 ms: 0, 49.4, 18.9, 68.3 ms after the shared start
+    assert offsets == pytest.approx([0.0, 49.44, 18.89, 68.33], abs=0.05)
+
+
 def test_sessions_a_full_server_refuses_are_failed_rows_in_their_process(tone_wav, tmp_path):
     with ScriptedServer(capacity=3) as server:
         code, result = run_load(server, tone_wav, tmp_path, 4, "--drain-s", "0.4", "--processes", "2")

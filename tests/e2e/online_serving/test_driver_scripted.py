@@ -25,7 +25,7 @@ TOP_LEVEL_FIELDS = {
     "max_client_rtf", "max_stream_rtf", "max_lag_drift_ms", "acceptance", "shared_response_ids", "sessions",
     "reported_server", "measurement_origin", "interval_definition", "stream_timing_definition",
     # added by this driver (the reference's fields above are unchanged)
-    "processes", "client_bottleneck_threshold_ms", "max_stream_lag_ms", "max_gap_ms", "hold_stream_lag_p99_ms",
+    "processes", "start_spread_ms", "client_bottleneck_threshold_ms", "max_stream_lag_ms", "max_gap_ms", "hold_stream_lag_p99_ms",
     "hold_max_gap_ms", "stream_lag_ms", "max_output_gap_ms", "client_send_lateness_ms", "client_bottleneck",
     "holding_sessions", "stream_lag_definition", "server_fed_definition"}
 ROW_FIELDS = {
@@ -349,7 +349,8 @@ def test_lifecycle_reports_a_server_error(tone_wav, tmp_path):
     ["--min-voiced-frames", "0"], ["--admission-limit", "1"], ["--api-key-env", "DRIVER_TEST_UNSET_VARIABLE"],
     ["--url", "http://127.0.0.1:8000/v1/realtime"], ["--processes", "0", "--sessions", "4"],
     ["--processes", "5", "--sessions", "4"], ["--processes", "2"], ["--processes", "two", "--sessions", "4"],
-    ["--max-stream-lag-ms", "0"], ["--max-gap-ms", "-5"], ["--max-gap-ms", "nan"],
+    ["--max-stream-lag-ms", "0"], ["--max-gap-ms", "-5"], ["--max-gap-ms", "nan"], ["--start-spread-ms", "81"],
+    ["--start-spread-ms", "-1"],
 ])
 def test_cli_rejects_bad_flags(tone_wav, tmp_path, flags, capsys):
     with pytest.raises(SystemExit) as exit_:
