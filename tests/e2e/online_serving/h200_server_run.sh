@@ -9,6 +9,7 @@
 set -uo pipefail
 policy=$1 sessions=$2 frames=$3 processes=${4:-8} wav=${5:-artifacts/input_assistant.wav}
 out=${OUT:?set OUT}
+load=$(mktemp -d /tmp/load-XXXX)/result  # a warm machine keeps /tmp: never reuse a directory
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
     export PYTHONPATH=/tmp/site:$PWD
@@ -35,14 +36,14 @@ python3 -m orchestrator.load_driver --model "$model" --input-wav "$wav" --sessio
     --processes "$processes" --load-frames "$frames" --tail-s "$tail_s" --plot --progress-s 30 --start-spread-ms "${SPREAD_MS:-0}" \
     --server-revision "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
     --server-hardware "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), policy $policy" \
-    --output-dir /tmp/load > "$out/summary.txt" 2> "$out/driver.log"
+    --output-dir "$load" > "$out/summary.txt" 2> "$out/driver.log"
 echo "driver exit $?"
 kill $dmon
 { echo "# /metrics after the load"; curl -s 127.0.0.1:8000/metrics; } >> "$out/metrics.txt"
 tail -4 "$out/summary.txt"
-gzip -c /tmp/load/load-result.json > /tmp/load-result.json.gz
+gzip -c $load/load-result.json > /tmp/load-result.json.gz
 [ "$(stat -c %s /tmp/load-result.json.gz)" -lt 16000000 ] && cp /tmp/load-result.json.gz "$out/load-result.json.gz"
-cp /tmp/load/load-timeline.png "$out/" 2>/dev/null
+cp $load/load-timeline.png "$out/" 2>/dev/null
 kill $server; wait $server 2>/dev/null
 grep -E "^personaplex_(tick_duration_seconds|batch_size)_(sum|count)" "$out/metrics.txt"
 ls -la "$out"

@@ -102,11 +102,12 @@ def test_a_missing_frame_is_a_deficit_even_when_silence_makes_up_the_count(tone_
 # Several driver processes ------------------------------------------------------------------------
 
 def _keys(value):
-    """The shape of a JSON value: key sets of objects, recursively (first element of lists)."""
+    """The shape of a JSON value: key sets of objects, recursively (the first element of a list
+    of objects; a list of plain values is just a list, whatever it holds)."""
     if isinstance(value, dict):
         return {key: _keys(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_keys(value[0])] if value else []
+        return [_keys(value[0])] if value and isinstance(value[0], (dict, list)) else "list"
     return None
 
 
