@@ -29,7 +29,9 @@ def test_two_layouts_end_to_end(speech_wav: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = _tool(["--layout", "process:cpu", "--layout", "split:cpu,cpu", "--sessions-per-device", "2",
                   "--load-frames", "25", "--driver-processes", "2", "--input-wav", str(speech_wav),
-                  "--output-dir", str(out)])
+                  "--output-dir", str(out),
+                  # the tool is under test, not this 2-core box's speed: the drivers' real-time gate is opened wide
+                  "--driver-args", "--max-stream-lag-ms 60000 --max-gap-ms 60000"])
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "capacity.json").read_text())
     assert report["complete"] is True and report["command"] and report["date_utc"] and report["hostname"]

@@ -269,6 +269,7 @@ def test_silence_feeding_after_grace(orch_tuned_server: Server):
         await client.wait_audio_frames(5)  # deltas of 1, 2 and 2 frames
         real = client.audio()
         assert not any(d["metadata"]["timing"]["silence_input"] for d in real)
+        assert all(d["metadata"]["timing"]["silence_input_frames"] == 0 for d in real)
         await client.next(lambda e: e["type"] == "response.output_audio.delta"
                           and e["metadata"]["timing"]["silence_input"], timeout=10)
         first_silence = client.times[-1]
@@ -278,6 +279,9 @@ def test_silence_feeding_after_grace(orch_tuned_server: Server):
         assert all(d["metadata"]["timing"]["silence_input"] for d in fed)
         span = client.times[client.events.index(fed[-1])] - client.times[client.events.index(fed[0])]
         fed_frames = sum(len(delta_pcm(d)) for d in fed) // FRAME
+        # each delta counts its frames made from fed silence (a load driver does not take
+        # them for answers to client frames)
+        assert all(d["metadata"]["timing"]["silence_input_frames"] == len(delta_pcm(d)) // FRAME for d in fed)
         # Measured on arrival here, so a delta delayed by a busy machine shortens the span:
         # 0.2 s of slack for that still fails a burst (8+ frames would come within a tick).
         assert span >= (fed_frames - 2) * 0.08 - 0.2, "silence must be paced in real time, not bursted"
