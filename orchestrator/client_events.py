@@ -6,10 +6,10 @@ and an append event into an ``AppendRequest``.  What the events *do* is ``Sessio
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from . import json_codec
 from .audio import INPUT_CODECS, AudioError, canonical_codec, check_rate
 from .errors import ProtocolError
 
@@ -20,8 +20,8 @@ def decode_event(message: str | bytes | None, max_bytes: int) -> dict[str, Any]:
     """One websocket message -> one event object, or ``ProtocolError``.
 
     Codes: ``bad_event`` (binary frame, non-object JSON, missing ``type``),
-    ``event_too_large``, ``invalid_json`` (also NaN, Infinity, out-of-range numbers and
-    nesting deeper than the decoder's recursion limit).
+    ``event_too_large``, ``invalid_json`` (also NaN, Infinity, out-of-range numbers, nesting
+    deeper than 1024, integers beyond 64 bits and lone surrogates: ``json_codec``).
     """
     if not isinstance(message, str):
         raise ProtocolError("bad_event", "binary frames are not supported: send each event as one JSON text frame")
@@ -29,29 +29,14 @@ def decode_event(message: str | bytes | None, max_bytes: int) -> dict[str, Any]:
     if size > max_bytes or (size * 4 > max_bytes and len(message.encode("utf-8", "surrogatepass")) > max_bytes):
         raise ProtocolError("event_too_large", f"event exceeds the limit of {max_bytes} bytes")
     try:
-        event = json.loads(message, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except ValueError as exc:
+        event = json_codec.loads(message)
+    except json_codec.InvalidJSON as exc:
         raise ProtocolError("invalid_json", f"event is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ProtocolError("invalid_json", "event is not valid JSON: nested too deeply") from None
     if not isinstance(event, dict):
         raise ProtocolError("bad_event", f"event must be a JSON object, got {type(event).__name__}")
     if not isinstance(event.get("type"), str) or not event["type"]:
         raise ProtocolError("bad_event", "event must have a string 'type'", param="type")
     return event
-
-
-def _refuse_constant(name: str) -> Any:
-    # NaN and Infinity are not JSON (RFC 8259); Python accepts them, and a non-finite number
-    # echoed back in a session object would break our own strict (allow_nan=False) encoder.
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"number {text[:32]} is out of range")
-    return value
 
 
 def client_event_id(event: Mapping[str, Any]) -> str | None:

@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import json
 import logging
 from typing import Any, Mapping
 
 from engines.interface import EngineError
 
 from . import events as ev
+from . import json_codec
 from .client_events import CLOSE_EVENTS, client_event_id, decode_event
 from .engine_pool import DeviceEngine
 from .errors import ProtocolError
@@ -283,7 +283,7 @@ class Connection:
     # Sending outside a session (handshake) ----------------------------------------------------
     async def _send_json(self, payload: dict[str, Any]) -> None:
         try:
-            await asyncio.wait_for(self.ws.send(json.dumps(payload, separators=(",", ":"))),
+            await asyncio.wait_for(self.ws.send(json_codec.dumps(payload)),
                                    self.settings.close_timeout_s)
         except Exception:  # noqa: BLE001 - the client is gone or not reading; nothing to tell it
             pass

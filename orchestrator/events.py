@@ -6,6 +6,7 @@ numbers when it queues them.
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from typing import Any
 
@@ -16,8 +17,14 @@ from .session_config import SessionConfig
 CHUNK_PERIOD_MS = 80
 
 
+# Event ids need only be unique: a random prefix per process and a counter (a uuid4 per event
+# is a system call and formatting on every one of ~4,800 events a second at 128 sessions).
+_EVENT_PREFIX = "event_" + uuid.uuid4().hex[:16]
+_event_numbers = itertools.count()
+
+
 def new_event_id() -> str:
-    return "event_" + uuid.uuid4().hex
+    return f"{_EVENT_PREFIX}{next(_event_numbers):016x}"
 
 
 def new_session_id() -> str:

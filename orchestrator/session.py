@@ -9,7 +9,6 @@ events is the order of the client's messages and of the ticks.  The websocket it
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -19,6 +18,7 @@ import numpy as np
 from engines.config import FRAME_SAMPLES, SAMPLE_RATE
 
 from . import events as ev
+from . import json_codec
 from .audio import AudioError, InputStream, decode_base64, pcm16_base64, to_float32
 from .client_events import CLOSE_EVENTS, client_event_id, parse_append
 from .errors import ProtocolError
@@ -144,7 +144,7 @@ class Session:
             self._seq += 1
             event["server_event_seq"] = self._seq
         event.update(payload)
-        if not self.outbox.put(json.dumps(event, separators=(",", ":"), allow_nan=False), tag, force):
+        if not self.outbox.put(json_codec.dumps(event), tag, force):
             self._overflow()
 
     def emit_error(self, error: ProtocolError, client_event_id: str | None = None) -> None:

@@ -129,3 +129,15 @@ def test_tick_stats_from_histogram_deltas() -> None:
     assert stats["ticks_le_80ms_fraction"] == pytest.approx(0.8)
     merged = capacity.merge_tick_stats([stats, {**stats, "ticks": 300, "mean_tick_ms": 20.0}])
     assert merged["ticks"] == 400 and merged["mean_tick_ms"] == pytest.approx(30.0)
+
+
+def test_frontend_cost_reads_thread_cpu_by_role() -> None:
+    import time as _time
+
+    from tests.e2e.online_serving import frontend_cost
+
+    start = _time.process_time()
+    while _time.process_time() - start < 0.05:  # burn a little CPU on this (the main) thread
+        pass
+    roles = frontend_cost.thread_cpu_s(os.getpid())
+    assert set(roles) == {"loop", "engine", "other"} and roles["loop"] > 0 and roles["engine"] == 0

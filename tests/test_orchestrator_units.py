@@ -313,3 +313,45 @@ def test_session_drops_late_outputs_of_a_cancelled_epoch():
         assert types[0] == "response.created" and types[-1] == "response.output_audio_transcript.delta"
 
     asyncio.run(scenario())
+
+
+def test_json_codec_is_strict_and_compact():
+    from orchestrator import json_codec
+
+    assert json_codec.loads('{"type":"x","n":[1,2.5,"a"]}') == {"type": "x", "n": [1, 2.5, "a"]}
+    for text in ('{"n":NaN}', '{"n":Infinity}', '{"n":-Infinity}', '{"n":1e999}', '"\\ud800"', "[" * 1025 + "]" * 1025,
+                 '{"a":1,}', "\ud800"):
+        with pytest.raises(json_codec.InvalidJSON):
+            json_codec.loads(text)
+    assert json_codec.loads("[" * 1000 + "]" * 1000)  # as deep as the standard library went
+    assert isinstance(json_codec.loads('{"n":18446744073709551616}')["n"], float)  # beyond 64 bits
+    assert json_codec.dumps({"a": [1, "é"], "b": None}) == '{"a":[1,"é"],"b":null}'
+
+
+def test_event_ids_are_unique_and_shaped_like_before():
+    from orchestrator.events import new_event_id
+
+    ids = [new_event_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    assert all(i.startswith("event_") and len(i) == len("event_") + 32 for i in ids)
+    int(ids[0][len("event_"):], 16)  # hex, as a uuid4's was
+
+
+def test_the_engine_thread_has_an_os_name():
+    import threading
+    from pathlib import Path
+
+    from orchestrator.scheduler import name_os_thread
+
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("no /proc here")
+    seen: list[str] = []
+
+    def run() -> None:
+        name_os_thread("ppengine-cpu#1")
+        seen.append(Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == ["ppengine-cpu#1"]
