@@ -32,5 +32,8 @@ def loads(text: str | bytes) -> Any:
 
 
 def dumps(value: Any) -> str:
-    """Compact JSON text (no spaces), as a ``str`` for a websocket text frame."""
-    return orjson.dumps(value).decode("utf-8")
+    """Compact JSON text (no spaces), as a ``str`` for a websocket text frame.  numpy scalars
+    are written as numbers (the standard library took ``numpy.float64``, a float subclass;
+    orjson needs the option).  Unlike ``json.dumps(allow_nan=False)`` a non-finite float would
+    become ``null`` rather than raise: none reaches here (see above)."""
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY).decode("utf-8")

@@ -47,11 +47,10 @@ from engines.interface import Engine, EngineInfo, FrameOutput, SessionSpec, Slot
 
 from .audio import float_to_pcm16
 from .metrics import Metrics
-from .tick_policy import PacedPolicy, TickState, WindowPolicy
+from .tick_policy import FRAME_PERIOD_S, PacedPolicy, TickState, WindowPolicy
 
 log = logging.getLogger(__name__)
 
-FRAME_PERIOD_S = 0.08
 TICK_TIME_SMOOTHING = 0.2  # weight of the newest tick in the moving average the policy reads
 
 

@@ -18,8 +18,8 @@ GPU-second than few large ones.  Real clients send at arbitrary phases of the 80
   after the previous tick took its frames, the interval being the recent tick time over
   ``busy_target`` (so the engine is busy about that fraction of the time), at least
   ``min_wait_s`` and at most one frame period.  Under load the batches grow until the ticks
-  fit; a lane that fell behind catches up because the interval stays under the period; one
-  lone session (always "every live lane") still ticks the moment its frame arrives.
+  fit; a frame that has waited a whole period ticks at once, so a lane that fell behind
+  catches up; one lone session (always "every live lane") ticks the moment its frame arrives.
   Latency cost: a frame waits up to one interval (half of it on average) for its tick.
 """
 
@@ -78,6 +78,11 @@ class PacedPolicy:
         if not state.ready:
             return IDLE
         if state.ready == state.live:
+            return TICK
+        # A frame a whole period old: its lane is behind (a slow job, a stall).  Waiting the
+        # interval would step it no faster than its client sends, so the backlog would never
+        # drain once the interval reaches the period; tick now.
+        if state.oldest_arrival is not None and state.now - state.oldest_arrival >= self.period_s:
             return TICK
         due = state.last_take + self.interval(state.tick_s)
         if state.now >= due:

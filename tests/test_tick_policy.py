@@ -43,6 +43,15 @@ def test_paced_policy_interval_follows_the_tick_time():
     assert not policy.decide(state(1.01, 3, 0, last_take=1.0)).tick
 
 
+def test_paced_policy_lets_a_backlog_drain():
+    # 60 ms ticks at a 0.7 target: the interval is the whole period, so a lane one frame behind
+    # would never catch up at one frame per interval; a frame a period old ticks at once
+    policy = PacedPolicy(0.02, busy_target=0.7)
+    assert policy.interval(0.06) == 0.08
+    assert policy.decide(state(1.05, 3, 1, oldest=0.97, last_take=1.0, tick_s=0.06)).tick
+    assert not policy.decide(state(1.05, 3, 1, oldest=0.98, last_take=1.0, tick_s=0.06)).tick
+
+
 def test_make_policy_names():
     assert isinstance(make_policy("window", min_wait_s=0.02, busy_target=0.7), WindowPolicy)
     assert make_policy("paced", min_wait_s=0.01, busy_target=0.6) == PacedPolicy(0.01, 0.6)

@@ -333,13 +333,18 @@ def _shared_response_ids(rows: list[dict[str, Any]]) -> set[str]:
     return shared
 
 
+def sends_of(row: dict[str, Any]) -> list[metrics.Send]:
+    """A result row's send timeline as ``(planned, started, completed)`` tuples."""
+    return [(f["planned_at_s"], f["send_started_at_s"], f["send_completed_at_s"]) for f in row["input_timeline"]]
+
+
 def pooled(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Run-wide figures over every frame of every session: stream lag and send lateness
     distributions, the longest gap, the sessions that hold real time."""
     lags: list[float] = []
     lateness: list[float] = []
     for row in rows:
-        sends = [(f["planned_at_s"], f["send_started_at_s"], f["send_completed_at_s"]) for f in row["input_timeline"]]
+        sends = sends_of(row)
         packets = row["audio_packet_timeline"]
         lags += metrics.stream_lags_ms([p["received_at_s"] for p in packets], [p["samples"] for p in packets], sends)
         lateness += metrics.send_lateness_ms(sends)

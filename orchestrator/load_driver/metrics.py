@@ -18,7 +18,6 @@ from typing import Sequence
 
 import numpy as np
 
-from .packets import AudioTally
 from .wire import FRAME_PERIOD_S, FRAME_SAMPLES, SAMPLE_RATE_HZ
 
 # A player that starts this long after its first buffered packet (a small jitter buffer).
@@ -220,6 +219,10 @@ def stream_lags_ms(arrivals: Sequence[float], samples: Sequence[int], sends: Seq
     input frame k + 80 ms), ms.  A lockstep server that answers each frame the moment it
     arrives scores its own processing time; a server falling behind scores a rising line."""
     completed, _ = frame_completions(arrivals, samples, len(sends))
+    return _lags_ms(completed, sends)
+
+
+def _lags_ms(completed: Sequence[float], sends: Sequence[Send]) -> list[float]:
     return [(done - sends[k][2] - FRAME_PERIOD_S) * 1000.0 for k, done in enumerate(completed)]
 
 
@@ -249,25 +252,9 @@ def stream_timing(arrivals: Sequence[float], samples: Sequence[int], sends: Sequ
     return {
         "server_stream_rtf": rtf,
         "stream_lag_drift_ms": drift_ms,
-        "stream_lag_ms": distribution(stream_lags_ms(arrivals, samples, sends)),
+        "stream_lag_ms": distribution(_lags_ms(completed, sends)),
         "playout_stall_ms": strict,
         "playout_stalled": None if strict is None else strict > 0.0,
         "steady_playout_stall_ms": steady,
         "steady_playout_stalled": None if steady is None else steady > 0.0,
     }
-
-
-# Output audio ----------------------------------------------------------------------------------
-
-def audio_stats(pcm16: bytes, *, input_frames: int, voiced_rms_threshold: float,
-                server_fed_frames: int = 0) -> dict[str, object]:
-    """Sample, frame and loudness statistics of a session's concatenated PCM16 output
-    (``packets.AudioTally`` computes them packet by packet; this is the one-shot form).
-
-    ``voiced_frames`` counts whole 1920-sample frames whose RMS reaches the threshold;
-    ``frame_deficit`` is input frames minus the whole output frames that answer them (a
-    lockstep server owes nothing after its drain, or a few frames still held in a multi-frame
-    chunk; frames made from silence the server fed itself are no answer)."""
-    tally = AudioTally(voiced_rms_threshold)
-    tally.add(pcm16[: len(pcm16) // 2 * 2])
-    return tally.stats(input_frames, server_fed_frames)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .load import sends_of
 from .metrics import stream_lags_ms
 from .options import CLIENT_LATENESS_LIMIT_MS, HOLD_STREAM_LAG_P99_MS
 from .wire import FRAME_PERIOD_S
@@ -91,7 +92,7 @@ def plot_series(series: Sequence[dict[str, Any]], path: Path, *, title: str,
 def series_from_load_result(result: dict[str, Any]) -> list[dict[str, Any]]:
     series = []
     for row in result["sessions"]:
-        sends = [(f["planned_at_s"], f["send_started_at_s"], f["send_completed_at_s"]) for f in row["input_timeline"]]
+        sends = sends_of(row)
         packets = row["audio_packet_timeline"]
         series.append({"label": f"session {row['index']}" + ("" if row["ok"] else " (failed)"), "sends": sends,
                        "arrivals": [p["received_at_s"] for p in packets], "samples": [p["samples"] for p in packets]})

@@ -43,6 +43,7 @@ class _Worker:
     process: multiprocessing.process.BaseProcess
     conn: Connection
     ready: bool = False
+    admitted: int = 0
     rows: list[dict[str, Any]] | None = None
     progress: dict[str, int] | None = None
     gone: bool = False  # its pipe closed
@@ -73,8 +74,9 @@ def run_sessions_in_processes(opts: Options, audio: InputAudio, processes: int) 
         child_end.close()
         workers.append(_Worker(number, indexes, process, parent_end))
     try:
-        _collect(workers, "ready", deadline=time.monotonic() + opts.timeout_s + _SPARE_S)
-        admitted = sum(w.ready for w in workers)
+        # An open is bounded by connect + session.update + session.created (each timeout_s),
+        # a failed one by the close budget after it.
+        _collect(workers, "ready", deadline=time.monotonic() + 3 * opts.timeout_s + opts.cleanup_timeout_s + _SPARE_S)
         start = time.monotonic() + START_LEAD_S
         for worker in workers:
             if worker.ready and not worker.gone:
@@ -82,7 +84,8 @@ def run_sessions_in_processes(opts: Options, audio: InputAudio, processes: int) 
                     worker.conn.send(("start", start))
                 except OSError:
                     worker.gone = True
-        log.info("load: %d of %d worker processes ready; streaming", admitted, processes)
+        log.info("load: %d of %d sessions admitted by %d of %d worker processes; streaming",
+                 sum(w.admitted for w in workers), opts.sessions, sum(w.ready for w in workers), processes)
         stream_s = audio.frames * 0.08 + opts.drain_s + 2 * opts.timeout_s + 2 * opts.cleanup_timeout_s
         _collect(workers, "rows", deadline=start + stream_s + _SPARE_S, started=start,
                  total_frames=audio.frames, every_s=opts.progress_s)
@@ -98,8 +101,12 @@ def run_sessions_in_processes(opts: Options, audio: InputAudio, processes: int) 
             rows += worker.rows
         else:
             code = worker.process.exitcode
-            why = f"driver worker {worker.number} exited with code {code}" if code not in (None, 0) \
-                else f"driver worker {worker.number} sent no result"
+            if not worker.ready and not worker.gone:
+                why = f"driver worker {worker.number} did not open its sessions in time (stopped)"
+            elif code not in (None, 0) and worker.gone:
+                why = f"driver worker {worker.number} exited with code {code}"
+            else:
+                why = f"driver worker {worker.number} sent no result"
             log.error("load: %s; its %d sessions are failed rows", why, len(worker.indexes))
             rows += [LoadSession(opts, audio, i, worker.number).row(why) for i in worker.indexes]
     return rows
@@ -130,7 +137,7 @@ def _collect(workers: list[_Worker], until: str, *, deadline: float, started: fl
                 worker.gone = True
                 continue
             if kind == "ready":
-                worker.ready = True
+                worker.ready, worker.admitted = True, payload
             elif kind == "progress":
                 worker.progress = payload
             elif kind == "rows":
@@ -161,8 +168,7 @@ async def _drive(opts: Options, indexes: range, number: int, conn: Connection) -
     loop = asyncio.get_running_loop()
     reporter: asyncio.Task | None = None
     try:
-        await run.open_all()
-        conn.send(("ready", None))
+        conn.send(("ready", await run.open_all()))
         kind, start = await loop.run_in_executor(None, conn.recv)
         assert kind == "start"
         run.start(start)

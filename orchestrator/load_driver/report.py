@@ -46,7 +46,7 @@ def fmt_cell(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def _pair(stats: dict[str, Any], digits: int = 1) -> str:
+def pair(stats: dict[str, Any], digits: int = 1) -> str:
     return f"{fmt_cell(stats['median'], digits)}/{fmt_cell(stats['p99'], digits)}"
 
 
@@ -57,11 +57,11 @@ def load_summary(result: dict[str, Any], path: Path) -> str:
     for row in result["sessions"]:
         lines.append(
             f"{row['index']:>4} {fmt_cell(row['ok']):>3} {fmt_cell(row['holds_real_time']):>5} "
-            f"{fmt_cell(row['client_first_audio_after_stream_start_ms']):>14} {_pair(row['stream_lag_ms']):>15} "
+            f"{fmt_cell(row['client_first_audio_after_stream_start_ms']):>14} {pair(row['stream_lag_ms']):>15} "
             f"{fmt_cell(row['max_output_gap_ms']):>10} {fmt_cell(row['client_send_lateness_ms']['p99']):>13} "
             f"{fmt_cell(row['server_stream_rtf'], 3):>10} {fmt_cell(row['frame_deficit']):>7} "
             f"{fmt_cell(row['server_fed_frames']):>4}  {row['error'] or ''}")
-    lines.append(f"{'all':>4} {'':>3} {result['holding_sessions']:>5} {'':>14} {_pair(result['stream_lag_ms']):>15} "
+    lines.append(f"{'all':>4} {'':>3} {result['holding_sessions']:>5} {'':>14} {pair(result['stream_lag_ms']):>15} "
                  f"{fmt_cell(result['max_output_gap_ms']):>10} "
                  f"{fmt_cell(result['client_send_lateness_ms']['p99']):>13}")
     verdict = "OK" if result["ok"] else "NOT OK"

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import metrics
-from .load import holds_real_time, pooled
+from .load import holds_real_time, pooled, sends_of
 from .options import HOLD_MAX_GAP_MS, HOLD_STREAM_LAG_P99_MS
-from .report import fmt_cell
+from .report import fmt_cell, pair
 
 
 def read_result(path: Path) -> dict[str, Any]:
@@ -33,7 +33,7 @@ def reread(result: dict[str, Any]) -> dict[str, Any]:
     """The real-time figures of every session of ``result`` and of the whole run."""
     rows: list[dict[str, Any]] = []
     for row in result["sessions"]:
-        sends = [(f["planned_at_s"], f["send_started_at_s"], f["send_completed_at_s"]) for f in row["input_timeline"]]
+        sends = sends_of(row)
         packets = row["audio_packet_timeline"]
         arrivals = [p["received_at_s"] for p in packets]
         measured = {"stream_lag_ms": metrics.distribution(
@@ -53,11 +53,11 @@ def table(path: Path, figures: dict[str, Any]) -> str:
     for s in figures["sessions"]:
         lag = s["stream_lag_ms"]
         lines.append(f"{s['index']:>4} {fmt_cell(s['ok']):>3} {fmt_cell(s['holds_real_time']):>5} "
-                     f"{fmt_cell(lag['median']) + '/' + fmt_cell(lag['p99']):>15} "
+                     f"{pair(lag):>15} "
                      f"{fmt_cell(s['max_output_gap_ms']):>10} {fmt_cell(s['send_lateness_p99_ms']):>13}")
     lag = figures["stream_lag_ms"]
     lines.append(f"{'all':>4} {'':>3} {figures['holding_sessions']:>5} "
-                 f"{fmt_cell(lag['median']) + '/' + fmt_cell(lag['p99']):>15} "
+                 f"{pair(lag):>15} "
                  f"{fmt_cell(figures['max_output_gap_ms']):>10} {fmt_cell(figures['client_send_lateness_ms']['p99']):>13}")
     lines.append(f"{figures['holding_sessions']} of {len(figures['sessions'])} sessions hold real time "
                  f"(lag p99 <= {HOLD_STREAM_LAG_P99_MS:g} ms, gaps <= {HOLD_MAX_GAP_MS:g} ms)"

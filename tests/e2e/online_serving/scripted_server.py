@@ -208,7 +208,7 @@ class ScriptedServer:
                     timeout = FRAME / RATE if feeding else b.silence_grace_s
                 try:
                     message = await asyncio.wait_for(ws.recv(), timeout)
-                except TimeoutError:  # the input stalled: one frame of the server's own silence
+                except asyncio.TimeoutError:  # the input stalled: one frame of the server's own silence
                     feeding = True
                     silence_left -= 1
                     await self._output(stream, silence=True)

@@ -148,19 +148,25 @@ def _pcm16(*frames: np.ndarray) -> bytes:
     return np.concatenate(frames).astype("<i2").tobytes()
 
 
+def _audio_stats(pcm16: bytes, *, input_frames: int, voiced_rms_threshold: float) -> dict:
+    tally = AudioTally(voiced_rms_threshold)
+    tally.add(pcm16)
+    return tally.stats(input_frames)
+
+
 def test_audio_stats_counts_voiced_frames():
     silent = np.zeros(FRAME, dtype=np.int16)
     loud = np.full(FRAME, 16384, dtype=np.int16)  # RMS 0.5
     quiet = np.full(FRAME, 16, dtype=np.int16)  # RMS 16 / 32768 = 4.9e-4, below 1e-3
-    stats = metrics.audio_stats(_pcm16(silent, loud, quiet), input_frames=4, voiced_rms_threshold=1e-3)
+    stats = _audio_stats(_pcm16(silent, loud, quiet), input_frames=4, voiced_rms_threshold=1e-3)
     assert stats["output_frames"] == 3 and stats["voiced_frames"] == 1 and stats["silent_frames"] == 2
     assert stats["frame_deficit"] == 1 and stats["frame_coverage_ratio"] == pytest.approx(0.75)
     assert stats["audio_rms"] == pytest.approx(np.sqrt((0.25 + (16 / 32768) ** 2) / 3))
     assert stats["whole_codec_frames"] is True and stats["audio_samples"] == 3 * FRAME
-    partial = metrics.audio_stats(_pcm16(loud, loud[:100]), input_frames=0, voiced_rms_threshold=1e-3)
+    partial = _audio_stats(_pcm16(loud, loud[:100]), input_frames=0, voiced_rms_threshold=1e-3)
     assert partial["whole_codec_frames"] is False and partial["output_frames"] == 1
     assert partial["frame_coverage_ratio"] is None  # no input: not a ratio of zero
-    empty = metrics.audio_stats(b"", input_frames=3, voiced_rms_threshold=1e-3)
+    empty = _audio_stats(b"", input_frames=3, voiced_rms_threshold=1e-3)
     assert empty["audio_rms"] is None and empty["output_frames"] == 0 and empty["frame_deficit"] == 3
 
 
@@ -168,7 +174,13 @@ def test_audio_tally_fed_in_pieces_equals_the_whole():
     rng = np.random.default_rng(7)
     pcm = (rng.standard_normal(7 * FRAME + 333) * 3000 * rng.random(7 * FRAME + 333) ** 4).astype("<i2")
     pcm[FRAME: 2 * FRAME] = 0  # one silent frame
-    whole = metrics.audio_stats(pcm.tobytes(), input_frames=8, voiced_rms_threshold=0.01)
+    # the reference, in plain numpy over the whole stream
+    audio = pcm.astype(np.float64) / 32768.0
+    frame_rms = np.sqrt(np.mean(audio[: 7 * FRAME].reshape(7, FRAME) ** 2, axis=1))
+    whole = {"audio_samples": pcm.size, "audio_rms": float(np.sqrt(np.mean(audio ** 2))), "output_frames": 7,
+             "voiced_frames": int(np.count_nonzero(frame_rms >= 0.01)),
+             "silent_frames": int(np.count_nonzero(frame_rms < 0.01)), "frame_deficit": 1,
+             "frame_coverage_ratio": 7 / 8, "whole_codec_frames": False}
     for trial in range(5):
         cuts = np.sort(rng.choice(np.arange(1, pcm.size), size=6, replace=False))
         tally = AudioTally(0.01)
