@@ -75,7 +75,7 @@ class Settings:
     # When to tick (orchestrator/tick_policy.py): "window" ticks once every live session has a
     # frame or the oldest frame waited batch_window_ms; "paced" at most once per interval that
     # keeps the engine about tick_busy_target busy (batch_window_ms its shortest), unless every
-    # live session has a frame.
+    # live session has a frame or a frame has waited a whole period.
     tick_policy: str = "window"
     tick_busy_target: float = 0.7
     batch_window_ms: float = 20.0  # window: longest a ready frame waits; paced: shortest interval
