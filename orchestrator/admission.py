@@ -7,6 +7,8 @@ reopen never races a close that has not finished).  Used only on the event loop.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SlotPool:
     def __init__(self, capacity: int) -> None:
@@ -29,3 +31,32 @@ class SlotPool:
         if self.held <= 0:
             raise RuntimeError("SlotPool.release without a matching acquire")
         self.held -= 1
+
+
+class EngineAdmission:
+    """Admission kept by an engine process for every worker of the server (global): the
+    engine admits or refuses each open itself (``engine_host/engine_process.py``), so this
+    worker only reads the counts of its latest status, to place sessions and to answer
+    ``/ready``.  The counts may be a heartbeat old, so nothing is refused on them: the
+    engine's answer to the open is what counts."""
+
+    def __init__(self, link: Any) -> None:
+        self._link = link  # orchestrator.engine_link.EngineLink
+
+    @property
+    def capacity(self) -> int:
+        return self._link.max_sessions or 0
+
+    @property
+    def held(self) -> int:
+        return self._link.held
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.held)
+
+    def try_acquire(self) -> bool:
+        return True  # the engine admits or refuses the open itself
+
+    def release(self) -> None:
+        pass  # the engine released it when it freed the slot

@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import time
 from typing import Any, Mapping
 
 from engines.interface import EngineError
@@ -179,7 +180,11 @@ class Connection:
             raise
         except Exception as exc:  # noqa: BLE001 - a failed open allocated no engine slot
             engine.cancel_admission()
-            await self._refuse(_open_error(exc), eid)
+            error = _open_error(exc)
+            if error.code == "resource_exhausted":  # an engine process's own admission said no
+                services.count_refusal("full")
+                error = services.full_error()
+            await self._refuse(error, eid)
             return None
         if not config.model:
             config = dataclasses.replace(config, model=services.model_name)
@@ -238,11 +243,17 @@ class Connection:
 
     async def _send_loop(self, session: Session) -> None:
         outbox = session.outbox
+        metrics = self.services.metrics
+        device = session.scheduler.device or "default"
         try:
             while True:
-                text = await outbox.get()
+                text, answers = await outbox.get()
                 await self.ws.send(text)
                 outbox.sent(text)
+                if answers:  # an audio delta: the client frames it answers have their output out
+                    now = time.monotonic()
+                    for arrival in answers:
+                        metrics.observe_frame_latency(device, now - arrival)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the transport is gone

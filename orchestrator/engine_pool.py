@@ -24,13 +24,15 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from engines.interface import Engine, EngineInfo, SessionSpec
 
-from .admission import SlotPool
+from .admission import EngineAdmission, SlotPool
+from .engine_link import EngineLink
 from .errors import ProtocolError
 from .metrics import Metrics
 from .scheduler import EngineCall, TickScheduler
@@ -47,20 +49,45 @@ StallHandler = Callable[["DeviceEngine", EngineCall, float], None]
 class DeviceEngine:
     """One device's engine thread, admission and watchdog (see the module doc)."""
 
-    def __init__(self, index: int, label: str, max_sessions: int, scheduler: TickScheduler, *,
+    def __init__(self, index: int, label: str, max_sessions: int | None, scheduler: TickScheduler | EngineLink, *,
                  watchdog_deadline_s: float, metrics: Metrics, on_stall: StallHandler) -> None:
+        # ``scheduler``: a TickScheduler (the engine runs in a thread of this process) or an
+        # EngineLink (it runs in an engine process; ``max_sessions`` is None: the engine
+        # reports it, and admits sessions itself for every worker).
         self.index = index
         self.label = label  # the device, made unique ("cpu#1") when a device serves twice
-        self.max_sessions = max_sessions
-        self.admission = SlotPool(max_sessions)
+        self.admission: SlotPool | EngineAdmission = (
+            EngineAdmission(scheduler) if isinstance(scheduler, EngineLink) else SlotPool(max_sessions or 0))
         self.scheduler = scheduler
         self.watchdog = Watchdog(scheduler, watchdog_deadline_s, metrics,
-                                 lambda call, elapsed: on_stall(self, call, elapsed))
+                                 lambda call, elapsed: on_stall(self, call, elapsed),
+                                 count_stalls=not isinstance(scheduler, EngineLink))
+        metrics.declare_device(label)
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def max_sessions(self) -> int:
+        return self.admission.capacity
+
+    @property
+    def engine_pid(self) -> int | None:
+        scheduler = self.scheduler
+        return scheduler.engine_pid if isinstance(scheduler, EngineLink) else os.getpid()
 
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list], None]) -> None:
         self._loop = loop
-        self.scheduler.start(loop, deliver)
+        scheduler = self.scheduler
+        if isinstance(scheduler, EngineLink):
+            scheduler.start(deliver)
+            return
+
+        def hand_back(results: list) -> None:  # on the engine thread
+            try:
+                loop.call_soon_threadsafe(deliver, results)
+            except RuntimeError:  # the loop is gone: shutting down
+                pass
+
+        scheduler.start(hand_back)
 
     # State ------------------------------------------------------------------------------------
     @property
@@ -73,7 +100,7 @@ class DeviceEngine:
         if scheduler.load_error is not None:
             return f"the model failed to load: {scheduler.load_error}"
         if not self.loading and not scheduler.alive:
-            return "the engine thread has stopped"
+            return "the engine has stopped" if isinstance(scheduler, EngineLink) else "the engine thread has stopped"
         return self.watchdog.stalled
 
     @property
@@ -105,8 +132,11 @@ class DeviceEngine:
     def status(self) -> dict[str, Any]:
         """This engine's entry in ``/ready`` and its per-device metrics."""
         state = self.state
-        return {"device": self.label, "ready": state == "ready", "state": state, "free_slots": self.admission.free,
-                "max_sessions": self.max_sessions, "live_sessions": self.admission.held}
+        body = {"device": self.label, "ready": state == "ready", "state": state, "free_slots": self.admission.free,
+                "max_sessions": self.max_sessions, "live_sessions": self.admission.held, "engine_pid": self.engine_pid}
+        if isinstance(self.scheduler, EngineLink):
+            body["sessions_by_worker"] = {str(pid): n for pid, n in sorted(self.scheduler.sessions_by_worker.items())}
+        return body
 
     # Sessions ---------------------------------------------------------------------------------
     def check_loaded(self) -> None:
@@ -166,9 +196,30 @@ class EnginePool:
                                         on_stall=on_stall))
         return cls(engines)
 
+    @classmethod
+    def connect(cls, settings: Settings, layout: dict[str, Any], metrics: Metrics, on_stall: StallHandler) -> EnginePool:
+        """One ``EngineLink`` per engine process of ``layout`` (``engine_host/host.py``)."""
+        engines = []
+        for entry in layout["engines"]:
+            link = EngineLink(entry["index"], entry["label"], entry["endpoint"])
+            engines.append(DeviceEngine(entry["index"], entry["label"], None, link,
+                                        watchdog_deadline_s=settings.watchdog_deadline_s, metrics=metrics,
+                                        on_stall=on_stall))
+        return cls(engines)
+
+    async def wait_connected(self, timeout_s: float) -> None:
+        """Wait for every engine process's first status (it says the engine's capacity)."""
+        links = [e.scheduler for e in self.engines if isinstance(e.scheduler, EngineLink)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(link.first_status.wait() for link in links)), timeout_s)
+        except asyncio.TimeoutError:
+            missing = [link.device for link in links if not link.first_status.is_set()]
+            raise RuntimeError(f"the engine process(es) of {', '.join(missing)} did not answer within "
+                               f"{timeout_s:g} s") from None
+
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list], None]) -> None:
         for engine in self.engines:
-            log.info("starting the engine of %s: max_sessions=%d", engine.label, engine.max_sessions)
+            log.info("starting the engine of %s", engine.label)
             engine.start(loop, deliver)
 
     def stop(self) -> None:
@@ -228,18 +279,23 @@ class EnginePool:
         engine.check_loaded()
 
     # Placement --------------------------------------------------------------------------------
-    def choose(self) -> DeviceEngine | None:
+    def choose(self, *, views_may_lag: bool = False) -> DeviceEngine | None:
         """The engine a new session would go to now (see the module doc), or None when none
-        that can take one has a free slot."""
+        that can take one has a free slot.  ``views_may_lag``: an engine process's admission
+        as this worker last heard it (``EngineAdmission``) may be a heartbeat old, so a
+        serving engine process that looks full is still a candidate: it decides itself."""
         for usable in (lambda e: e.serving, lambda e: e.loading):
             candidates = [e for e in self.engines if usable(e) and e.admission.free > 0]
+            if not candidates and views_may_lag:
+                candidates = [e for e in self.engines if usable(e) and isinstance(e.admission, EngineAdmission)]
             if candidates:
                 return min(candidates, key=lambda e: (-e.admission.free, e.index))
         return None
 
     def acquire(self) -> DeviceEngine:
-        """Hold an admission slot on ``choose()``'s engine (the caller has seen one there)."""
-        engine = self.choose()
+        """Hold an admission slot on the engine placement picks (the caller has seen one
+        there; an engine process's own admission has the last word at its open)."""
+        engine = self.choose(views_may_lag=True)
         if engine is None or not engine.admission.try_acquire():
             raise RuntimeError("no engine has a free slot")
         return engine

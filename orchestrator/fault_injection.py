@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,3 +162,16 @@ class FaultyEngine:
     def _fired(self, plan: FaultPlan, slot: int) -> None:
         self.injected += 1
         log.warning("injected fault #%d: mode=%s slot=%d", self.injected, plan.mode, slot)
+
+
+def with_fault_injection(factory: Callable[..., Engine], spec: str | None) -> Callable[..., Engine]:
+    """The engine factory as is, or (testing only) one whose engines fail on purpose."""
+    if not spec:
+        return factory
+    from .settings import SettingsError, env_name
+
+    try:
+        plans = FaultPlan.parse_all(spec)
+    except FaultPlanError as exc:
+        raise SettingsError(f"{env_name('fault_injection')}: {exc}") from None
+    return lambda *args, **kwargs: FaultyEngine(factory(*args, **kwargs), plans)

@@ -1,59 +1,55 @@
-"""Prometheus text exposition (format 0.0.4), written by hand: a few counters, gauges and
-two histograms do not justify a client library.
+"""The server's Prometheus metrics, on ``prometheus_client``.
 
-The unlabelled families are totals over the process's engines (as before there were several);
-the ``personaplex_device_*`` families give each engine's device its own series under a
-``device`` label.  Updated from the event loop and from the scheduler threads, hence the lock.
+Several processes serve one server: front-end workers (sessions, errors, refusals, frame
+latency, event-loop lag), engine processes (ticks, batch sizes, frames, tick failures,
+stalls) and the engine host (engine restarts).  ``prometheus_client``'s multiprocess mode
+is made for that: each process writes its own values to files in the server's run directory
+(``ipc/endpoints.metrics_dir``) and the worker that answers ``/metrics`` sums them.  What
+every worker knows alike (admission, readiness and state per device, from the engines'
+heartbeats) is read at scrape time from that worker's own view (``gauges``).
+
+With the engines as threads of one process (``engine_host=thread``, and the tests' in-process
+servers) each ``Metrics`` has its own registry in memory, and nothing is written to disk.
+
+The multiprocess directory must be known before ``prometheus_client`` is first imported in a
+process (it picks its value store then): ``Metrics(multiprocess_dir=...)`` sets it, and
+nothing else in the server imports the library earlier.
 """
 
 from __future__ import annotations
 
-import bisect
+import os
+import sys
 import threading
-from collections import defaultdict
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 TICK_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.16, 0.32, 0.64, 1.28)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# A frame's arrival at the socket to its output frame leaving it: one period is the floor.
+FRAME_LATENCY_BUCKETS_S = (0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def lines(self, name: str, labels: str = "") -> list[str]:
-        """The series of this histogram; ``labels`` (``device="cuda:0"``) go on every one."""
-        le_prefix = labels + "," if labels else ""
-        own = f"{{{labels}}}" if labels else ""
-        out, cumulative = [], 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            out.append(f'{name}_bucket{{{le_prefix}le="{_num(bound)}"}} {cumulative}')
-        out.append(f'{name}_bucket{{{le_prefix}le="+Inf"}} {self.count}')
-        out.append(f"{name}_sum{own} {_num(self.total)}")
-        out.append(f"{name}_count{own} {self.count}")
-        return out
-
-
-class _TickStats:
-    """Tick duration and batch size histograms (of the process, or of one device)."""
-
-    def __init__(self) -> None:
-        self.seconds = Histogram(TICK_BUCKETS_S)
-        self.batch = Histogram(BATCH_BUCKETS)
-
-    def observe(self, seconds: float, batch: int) -> None:
-        self.seconds.observe(seconds)
-        self.batch.observe(batch)
-
+# Counters: Metrics.inc name -> (family without _total, help, label or None).
+_COUNTERS: dict[str, tuple[str, str, str | None]] = {
+    "sessions_opened": ("personaplex_sessions_opened", "Sessions opened.", None),
+    "sessions_refused": ("personaplex_sessions_refused", "Opens refused with resource_exhausted.", None),
+    "sessions_closed": ("personaplex_sessions_closed", "Sessions closed, by reason.", "reason"),
+    "frames_in": ("personaplex_frames_in", "80 ms input frames stepped, by source.", "source"),
+    "frames_out": ("personaplex_frames_out", "80 ms output frames produced.", None),
+    "frames_dropped": ("personaplex_frames_dropped", "Output frames dropped (cancelled epoch or closed session).",
+                       None),
+    "errors": ("personaplex_errors", "Error events sent, by code.", "code"),
+    "tick_failures": ("personaplex_tick_failures", "Ticks where engine.step raised, by scope (slots: only named "
+                      "sessions failed; batch: all of the tick).", "scope"),
+    "tick_stalls": ("personaplex_tick_stalls", "Engine calls that ran past the watchdog deadline.", None),
+    "connections_refused": ("personaplex_connections_refused", "Websockets refused before a session, by reason "
+                            "(auth, origin, limits, shutdown, stalled).", "reason"),
+    "events_dropped": ("personaplex_events_dropped", "Client events dropped by the per-socket rate limits.", None),
+    "engine_restarts": ("personaplex_engine_restarts", "Engine processes that ended and were started again, by "
+                        "device.", "device"),
+}
 
 # Per-device gauges: (family suffix, its value from the device's status, help text).
 _DEVICE_GAUGES: tuple[tuple[str, Callable[[dict], int], str], ...] = (
@@ -67,138 +63,162 @@ _DEVICE_GAUGES: tuple[tuple[str, Callable[[dict], int], str], ...] = (
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: Path | None = None) -> None:
+        if multiprocess_dir is not None:
+            os.environ[MULTIPROC_ENV] = str(multiprocess_dir)
+        import prometheus_client as prom
+        from prometheus_client import values
+
+        prom.disable_created_metrics()
+        self.multiprocess_dir = multiprocess_dir
+        if multiprocess_dir is not None and values.ValueClass.__name__ == "MutexValue":
+            raise RuntimeError("prometheus_client was imported before its multiprocess directory was set")
+        self._prom = prom
+        self.registry = prom.CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
-        self.sessions_opened = 0
-        self.sessions_refused = 0
-        self.sessions_closed: dict[str, int] = defaultdict(int)  # by reason
-        self.frames_in: dict[str, int] = defaultdict(int)  # by source: client | silence
-        self.frames_out = 0
-        self.frames_dropped = 0  # outputs of a cancelled epoch or a closed session
-        self.errors: dict[str, int] = defaultdict(int)  # by code
-        self.ticks = 0
-        self.tick_stats = _TickStats()  # all devices
-        self.device_ticks: dict[str, _TickStats] = defaultdict(_TickStats)
-        # Reliability (docs/RELIABILITY.md).
-        self.tick_failures: dict[str, int] = defaultdict(int)  # by scope: slots | batch
-        self.tick_stalls = 0  # engine calls the watchdog found past their deadline
-        self.connections_refused: dict[str, int] = defaultdict(int)  # before a session: by reason
-        self.events_dropped = 0  # client events over the per-socket rate limit
-        # Gauges read at scrape time from their owners.
+        reg = self.registry
+        self._counters = {name: prom.Counter(family, help_text, [label] if label else [], registry=reg)
+                          for name, (family, help_text, label) in _COUNTERS.items()}
+        self._ticks = prom.Counter("personaplex_ticks", "Lockstep ticks run.", registry=reg)
+        self._tick_seconds = prom.Histogram("personaplex_tick_duration_seconds", "Engine time of one batched tick.",
+                                            buckets=TICK_BUCKETS_S, registry=reg)
+        self._batch = prom.Histogram("personaplex_batch_size", "Sessions advanced per tick.", buckets=BATCH_BUCKETS,
+                                     registry=reg)
+        self._device_tick_seconds = prom.Histogram(
+            "personaplex_device_tick_duration_seconds", "Engine time of one batched tick, per device.", ["device"],
+            buckets=TICK_BUCKETS_S, registry=reg)
+        self._device_batch = prom.Histogram("personaplex_device_batch_size", "Sessions advanced per tick, per device.",
+                                            ["device"], buckets=BATCH_BUCKETS, registry=reg)
+        self._frame_latency = prom.Histogram(
+            "personaplex_frame_latency_seconds", "A client frame's arrival at the socket to its output frame "
+            "leaving the socket, per device.", ["device"], buckets=FRAME_LATENCY_BUCKETS_S, registry=reg)
+        self._loop_lag = prom.Histogram(
+            "personaplex_event_loop_lag_seconds", "How late a front-end worker's event loop ran a timer due now "
+            "(sampled twice a second per worker).", buckets=LOOP_LAG_BUCKETS_S, registry=reg)
+        self._loop_tasks = prom.Gauge("personaplex_event_loop_tasks", "asyncio tasks alive on the front-end "
+                                      "workers' event loops (all workers).", registry=reg, multiprocess_mode="livesum")
+        self._batch_fill = prom.Gauge("personaplex_device_batch_fill", "Sessions advanced by the device's latest "
+                                      "tick over its live sessions (1 = one tick serves everyone).", ["device"],
+                                      registry=reg, multiprocess_mode="livemax")
+        self._declared = [m for metric in (*self._counters.values(), self._ticks, self._tick_seconds, self._batch,
+                                           self._device_tick_seconds, self._device_batch, self._frame_latency,
+                                           self._loop_lag, self._loop_tasks, self._batch_fill)
+                          for m in metric.describe()]
+        for name in ("frames_out", "frames_dropped", "sessions_opened", "sessions_refused", "tick_stalls",
+                     "events_dropped"):
+            self._counters[name]  # unlabelled: listed from the start
+        # Gauges read at scrape time from this worker's view of the engines.
         self.live_sessions: Callable[[], int] = lambda: 0
         self.free_slots: Callable[[], int] = lambda: 0
         self.max_sessions: Callable[[], int] = lambda: 0
-        # One status dict per device (engine_pool.DeviceEngine.status).
-        self.devices: Callable[[], list[dict]] = list
+        self.devices: Callable[[], list[dict]] = list  # one status dict per device (DeviceEngine.status)
         self.ready: Callable[[], bool] = lambda: False
         self.engine_stalled: Callable[[], bool] = lambda: False
         self.draining: Callable[[], bool] = lambda: False
         self.loop_tasks: Callable[[], int] = lambda: 0
+        self.registry.register(_ScrapeGauges(self))
 
+    # Recording ----------------------------------------------------------------------------------
     def inc(self, name: str, label: str | None = None, n: int = 1) -> None:
-        with self._lock:
-            if label is None:
-                setattr(self, name, getattr(self, name) + n)
-            else:
-                getattr(self, name)[label] += n
+        counter = self._counters[name]
+        (counter.labels(label) if label is not None else counter).inc(n)
 
-    def observe_tick(self, seconds: float, batch: int, silence_frames: int, device: str | None = None) -> None:
-        with self._lock:
-            self.ticks += 1
-            self.tick_stats.observe(seconds, batch)
-            if device is not None:
-                self.device_ticks[device].observe(seconds, batch)
-            self.frames_out += batch
-            if silence_frames:
-                self.frames_in["silence"] += silence_frames
+    def observe_tick(self, seconds: float, batch: int, silence_frames: int, device: str | None = None,
+                     live: int | None = None) -> None:
+        self._ticks.inc()
+        self._tick_seconds.observe(seconds)
+        self._batch.observe(batch)
+        if device is not None:
+            self._device_tick_seconds.labels(device).observe(seconds)
+            self._device_batch.labels(device).observe(batch)
+            if live:
+                self._batch_fill.labels(device).set(batch / live)
+        self._counters["frames_out"].inc(batch)
+        if silence_frames:
+            self._counters["frames_in"].labels("silence").inc(silence_frames)
 
+    def declare_device(self, device: str) -> None:
+        """List a device's histograms before its first tick."""
+        self._device_tick_seconds.labels(device)
+        self._device_batch.labels(device)
+        self._frame_latency.labels(device)
+
+    def observe_frame_latency(self, device: str, seconds: float) -> None:
+        self._frame_latency.labels(device).observe(seconds)
+
+    def observe_loop(self, lag_s: float, tasks: int) -> None:
+        self._loop_lag.observe(lag_s)
+        self._loop_tasks.set(tasks)
+
+    # Exposition ---------------------------------------------------------------------------------
     def render(self) -> str:
-        with self._lock:
-            lines: list[str] = []
+        prom = self._prom
+        if self.multiprocess_dir is None:
+            return prom.generate_latest(self.registry).decode()
+        from prometheus_client import multiprocess
 
-            def metric(name: str, kind: str, help_text: str, samples: list[str]) -> None:
-                lines.append(f"# HELP {name} {help_text}")
-                lines.append(f"# TYPE {name} {kind}")
-                lines.extend(samples)
+        registry = prom.CollectorRegistry()
+        registry.register(_Merged(multiprocess.MultiProcessCollector(None, path=str(self.multiprocess_dir)),
+                                  self._declared))
+        registry.register(_ScrapeGauges(self))
+        return prom.generate_latest(registry).decode()
 
-            metric("personaplex_ready", "gauge", "1 once the engine is loaded and warmed up.",
-                   [f"personaplex_ready {int(self.ready())}"])
-            metric("personaplex_sessions_live", "gauge", "Sessions holding an admission slot.",
-                   [f"personaplex_sessions_live {self.live_sessions()}"])
-            metric("personaplex_slots_free", "gauge", "Admission slots still free.",
-                   [f"personaplex_slots_free {self.free_slots()}"])
-            metric("personaplex_max_sessions", "gauge", "Admission capacity (all devices).",
-                   [f"personaplex_max_sessions {self.max_sessions()}"])
-            metric("personaplex_sessions_opened_total", "counter", "Sessions opened.",
-                   [f"personaplex_sessions_opened_total {self.sessions_opened}"])
-            metric("personaplex_sessions_refused_total", "counter", "Opens refused with resource_exhausted.",
-                   [f"personaplex_sessions_refused_total {self.sessions_refused}"])
-            metric("personaplex_sessions_closed_total", "counter", "Sessions closed, by reason.",
-                   _labelled("personaplex_sessions_closed_total", "reason", self.sessions_closed))
-            metric("personaplex_ticks_total", "counter", "Lockstep ticks run.", [f"personaplex_ticks_total {self.ticks}"])
-            metric("personaplex_tick_duration_seconds", "histogram", "Engine time of one batched tick.",
-                   self.tick_stats.seconds.lines("personaplex_tick_duration_seconds"))
-            metric("personaplex_batch_size", "histogram", "Sessions advanced per tick.",
-                   self.tick_stats.batch.lines("personaplex_batch_size"))
-            metric("personaplex_frames_in_total", "counter", "80 ms input frames stepped, by source.",
-                   _labelled("personaplex_frames_in_total", "source", self.frames_in))
-            metric("personaplex_frames_out_total", "counter", "80 ms output frames produced.",
-                   [f"personaplex_frames_out_total {self.frames_out}"])
-            metric("personaplex_frames_dropped_total", "counter",
-                   "Output frames dropped (cancelled epoch or closed session).",
-                   [f"personaplex_frames_dropped_total {self.frames_dropped}"])
-            metric("personaplex_errors_total", "counter", "Error events sent, by code.",
-                   _labelled("personaplex_errors_total", "code", self.errors))
-            self._render_reliability(metric)
-            self._render_devices(metric)
-            return "\n".join(lines) + "\n"
 
-    def _render_devices(self, metric: Callable[[str, str, str, list[str]], None]) -> None:
-        """The ``personaplex_device_*`` families: one series per device (label ``device``)."""
-        devices = self.devices()
-        for suffix, value, help_text in _DEVICE_GAUGES:
-            name = f"personaplex_device_{suffix}"
-            metric(name, "gauge", help_text, [f'{name}{{device="{_escape(d["device"])}"}} {value(d)}' for d in devices])
-        for d in devices:  # every device has its histograms, even before its first tick
-            self.device_ticks[d["device"]]
-        ticks = sorted(self.device_ticks.items())
-        for name, help_text, pick in (
-            ("personaplex_device_tick_duration_seconds", "Engine time of one batched tick, per device.",
-             lambda stats: stats.seconds),
-            ("personaplex_device_batch_size", "Sessions advanced per tick, per device.", lambda stats: stats.batch),
+def mark_process_dead(pid: int) -> None:
+    """Forget a dead process's live gauges (its counters stay in the sums)."""
+    directory = os.environ.get(MULTIPROC_ENV)
+    if directory and "prometheus_client" in sys.modules:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, directory)
+
+
+class _Merged:
+    """The sums over every process's files, with each family's own help text, and every
+    declared family listed even before any process has a value for it (as in one process)."""
+
+    def __init__(self, collector: Any, declared: list) -> None:
+        self._collector = collector
+        self._declared = declared
+
+    def collect(self) -> Any:
+        help_of = {m.name: m.documentation for m in self._declared}
+        seen = set()
+        for family in self._collector.collect():
+            family.documentation = help_of.get(family.name, family.documentation)
+            seen.add(family.name)
+            yield family
+        for empty in self._declared:
+            if empty.name not in seen:
+                yield empty
+
+
+class _ScrapeGauges:
+    """The gauges a worker reads from its own view at scrape time (not stored in files)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> list:
+        return []  # collected only at scrape time: no fixed description
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        m = self._metrics
+        for name, help_text, value in (
+            ("personaplex_ready", "1 once the engine is loaded and warmed up.", int(m.ready())),
+            ("personaplex_sessions_live", "Sessions holding an admission slot.", m.live_sessions()),
+            ("personaplex_slots_free", "Admission slots still free.", m.free_slots()),
+            ("personaplex_max_sessions", "Admission capacity (all devices).", m.max_sessions()),
+            ("personaplex_engine_stalled", "1 while an engine call is past the watchdog deadline.",
+             int(m.engine_stalled())),
+            ("personaplex_draining", "1 once shutdown has begun (new opens refused).", int(m.draining())),
         ):
-            samples = [line for device, stats in ticks
-                       for line in pick(stats).lines(name, f'device="{_escape(device)}"')]
-            metric(name, "histogram", help_text, samples)
-
-    def _render_reliability(self, metric: Callable[[str, str, str, list[str]], None]) -> None:
-        metric("personaplex_tick_failures_total", "counter",
-               "Ticks where engine.step raised, by scope (slots: only named sessions failed; batch: all of the tick).",
-               _labelled("personaplex_tick_failures_total", "scope", self.tick_failures))
-        metric("personaplex_connections_refused_total", "counter",
-               "Websockets refused before a session, by reason (auth, origin, limits, shutdown, stalled).",
-               _labelled("personaplex_connections_refused_total", "reason", self.connections_refused))
-        for name, kind, help_text, value in (
-            ("personaplex_tick_stalls_total", "counter", "Engine calls that ran past the watchdog deadline.",
-             self.tick_stalls),
-            ("personaplex_engine_stalled", "gauge", "1 while an engine call is past the watchdog deadline.",
-             int(self.engine_stalled())),
-            ("personaplex_draining", "gauge", "1 once shutdown has begun (new opens refused).", int(self.draining())),
-            ("personaplex_events_dropped_total", "counter", "Client events dropped by the per-socket rate limits.",
-             self.events_dropped),
-            ("personaplex_event_loop_tasks", "gauge", "asyncio tasks alive on the server's event loop.",
-             self.loop_tasks()),
-        ):
-            metric(name, kind, help_text, [f"{name} {value}"])
-
-
-def _labelled(name: str, label: str, values: dict[str, int]) -> list[str]:
-    return [f'{name}{{{label}="{_escape(key)}"}} {values[key]}' for key in sorted(values)]
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _num(value: float) -> str:
-    return repr(float(value))
+            yield GaugeMetricFamily(name, help_text, value=value)
+        devices = m.devices()
+        for suffix, value_of, help_text in _DEVICE_GAUGES:
+            family = GaugeMetricFamily(f"personaplex_device_{suffix}", help_text, labels=["device"])
+            for d in devices:
+                family.add_metric([d["device"]], value_of(d))
+            yield family

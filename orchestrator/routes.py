@@ -12,8 +12,6 @@ import time
 
 from quart import Quart, Response, jsonify, request, websocket
 
-from engines.factory import create_engine
-
 from .access import Caller
 from .connection import Connection
 from .errors import ProtocolError
@@ -28,9 +26,11 @@ _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
 
 
-def create_app(settings: Settings | None = None, engine_factory: EngineFactory = create_engine) -> Quart:
+def create_app(settings: Settings | None = None, engine_factory: EngineFactory | None = None) -> Quart:
     """Build the server.  ``settings=None`` reads ``PERSONAPLEX_*`` when serving starts, so
-    importing ``orchestrator:app`` has no side effects."""
+    importing ``orchestrator:app`` has no side effects.  ``engine_factory``: None = the real
+    engine where the settings put it (engine processes by default); a factory runs its
+    engines in this process (``Services``)."""
     app = Quart("personaplex")
     app.asgi_app = DrainAfterClose(app.asgi_app)  # no connection task left waiting on a closed socket
     holder: dict[str, Services] = {}
@@ -45,6 +45,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory =
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         holder["services"] = Services(settings or Settings.from_env(), engine_factory)
         services().start()
+        await services().wait_engines()
 
     @app.after_serving
     async def stop() -> None:

@@ -159,12 +159,12 @@ class TickScheduler:
         self._jobs: deque[tuple[Any, ...]] = deque()  # expensive control work, FIFO
         self._after_tick = False
         self._last_take = float("-inf")  # when the latest tick's frames were taken
+        self._live_at_take = 0  # live lanes when the latest tick's frames were taken (batch fill)
         self._stopping = False
         self._ticks = 0
         self._silence = np.zeros(FRAME_SAMPLES, dtype=np.float32)
         self._thread: threading.Thread | None = None
-        self._deliver: Callable[[list], None] = lambda results: None
-        self._loop: Any = None
+        self._hand_back: Callable[[list], None] = lambda results: None
         self.ready = threading.Event()  # set when loading finished, successfully or not
         self.load_error: BaseException | None = None
         self.info: EngineInfo | None = None
@@ -173,9 +173,11 @@ class TickScheduler:
         self.failed_ticks_in_row = 0  # ticks in a row that produced no output at all
 
     # Lifecycle (event loop side) --------------------------------------------------------------
-    def start(self, loop: Any, deliver: Callable[[list], None]) -> None:
-        """Start the engine thread; ``deliver(results)`` is then called on ``loop`` per tick."""
-        self._loop, self._deliver = loop, deliver
+    def start(self, hand_back: Callable[[list], None]) -> None:
+        """Start the engine thread; it calls ``hand_back(results)`` (from the engine thread,
+        once per tick or failure) with a list of ``FrameResult``/``FrameFailure``: the caller
+        moves them to where the sessions live (an event loop, or a socket to the workers)."""
+        self._hand_back = hand_back
         name = "personaplex-engine" + (f"-{self.device}" if self.device else "")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -348,6 +350,7 @@ class TickScheduler:
                 decision = self._policy.decide(TickState(now, len(live), len(ready), oldest, self._last_take,
                                                          self._tick_s))
                 if decision.tick:
+                    self._live_at_take = len(live)
                     return ("tick", self._take(ready, now))
                 wait = decision.wait_s
                 if silence_due is not None:
@@ -413,7 +416,7 @@ class TickScheduler:
             TICK_TIME_SMOOTHING * seconds + (1.0 - TICK_TIME_SMOOTHING) * self._tick_s)
         pcm16 = float_to_pcm16(np.stack([out.pcm for out in outputs]))
         silent_inputs = sum(1 for *_, silent in batch if silent)
-        self._metrics.observe_tick(seconds, len(batch), silent_inputs, device=self.device)
+        self._metrics.observe_tick(seconds, len(batch), silent_inputs, device=self.device, live=self._live_at_take)
         tick_ms = seconds * 1e3
         self._hand_back([
             FrameResult(lane.key, epoch, pcm16[i], out.text, int(out.text_id), silent, self._ticks, tick_ms,
@@ -465,12 +468,6 @@ class TickScheduler:
         if not lane.closing and lane.want_epoch <= epoch:
             self._want_restart(lane, epoch + 1)
         return FrameFailure(lane.key, epoch, message)
-
-    def _hand_back(self, results: list) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._deliver, results)
-        except RuntimeError:  # the loop is gone: shutting down
-            pass
 
     def _close(self, engine: Engine, key: str, future: concurrent.futures.Future) -> None:
         with self._cond:

@@ -17,29 +17,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from .access import AccessPolicy
+from .engine_host.launch import ensure_host
 from .engine_pool import DeviceEngine, EngineFactory, EnginePool
 from .errors import ProtocolError
 from .events import capabilities
-from .fault_injection import FaultPlan, FaultPlanError, FaultyEngine
+from .fault_injection import with_fault_injection
+from .ipc.endpoints import default_run_dir, metrics_dir, server_group_pid
 from .limits import ClientLimits, Refusal
 from .listeners import ListenerWatch, find_listeners
 from .metrics import Metrics
 from .scheduler import EngineCall, FrameFailure, FrameResult
 from .session import Session
-from .settings import Settings, SettingsError, env_name
+from .settings import Settings
 
 log = logging.getLogger(__name__)
 
 GIL_SWITCH_INTERVAL_S = 0.0005  # see start()
 LISTENER_POLL_S = 0.1  # how soon a closed listener (shutdown) starts the drain
+LOOP_SAMPLE_S = 0.5  # event-loop lag sampling period
+ENGINE_CONNECT_TIMEOUT_S = 120.0  # start-up: an engine process answers before loading its model
 
 
 class Services:
-    def __init__(self, settings: Settings, engine_factory: EngineFactory) -> None:
+    def __init__(self, settings: Settings, engine_factory: EngineFactory | None = None) -> None:
+        """``engine_factory``: None = the real engine, where ``settings.engine_host`` says
+        (engine processes, or threads here); a factory (tests, tools) always runs its engines
+        as threads of this process, since an engine process builds its own."""
         self.settings = settings
         # Access control first: a public server without keys fails before loading a model.
         listeners = find_listeners()
@@ -50,12 +59,20 @@ class Services:
         self.draining = False
         self.shutdown_started = asyncio.Event()
         self._tasks: list[asyncio.Future] = []
-        engine_factory = _with_fault_injection(engine_factory, settings.fault_injection)
-        self.metrics = Metrics()
         self.sessions: dict[str, Session] = {}
-        self.pool = EnginePool.build(settings, engine_factory, self.metrics, self._on_stall)
-        self.max_sessions = self.pool.capacity  # of all engines: what clients and balancers see
-        self.caps = capabilities(self.max_sessions)
+        self.in_process = engine_factory is not None or settings.engine_host == "thread"
+        if self.in_process:
+            if engine_factory is None:
+                from engines.factory import create_engine as engine_factory  # torch: only for in-process engines
+            factory = with_fault_injection(engine_factory, settings.fault_injection)
+            self.metrics = Metrics()
+            self.pool = EnginePool.build(settings, factory, self.metrics, self._on_stall)
+        else:
+            run_dir = Path(settings.run_dir) if settings.run_dir else default_run_dir()
+            layout = ensure_host(settings, run_dir, server_group_pid())
+            self.metrics = Metrics(metrics_dir(run_dir))  # the host has made it, empty
+            self.pool = EnginePool.connect(settings, layout, self.metrics, self._on_stall)
+        self._caps: tuple[int, dict[str, Any]] | None = None
         engines = self.pool.engines
         self.metrics.live_sessions = lambda: self.pool.held
         self.metrics.free_slots = lambda: self.pool.free
@@ -64,10 +81,28 @@ class Services:
         self.metrics.engine_stalled = lambda: any(engine.watchdog.stalled is not None for engine in engines)
         self.metrics.devices = lambda: [engine.status() for engine in engines]
         self.metrics.draining = lambda: self.draining
-        self.metrics.loop_tasks = lambda: len(asyncio.all_tasks())
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    @property
+    def max_sessions(self) -> int:
+        """Of all engines: what clients and balancers see."""
+        return self.pool.capacity
+
+    @property
+    def caps(self) -> dict[str, Any]:
+        capacity = self.max_sessions
+        if self._caps is None or self._caps[0] != capacity:
+            self._caps = (capacity, capabilities(capacity))
+        return self._caps[1]
+
     # Lifecycle --------------------------------------------------------------------------------
+    async def wait_engines(self, timeout_s: float = ENGINE_CONNECT_TIMEOUT_S) -> None:
+        """Engine processes: wait until each has answered (its capacity is then known)."""
+        if not self.in_process:
+            await self.pool.wait_connected(timeout_s)
+            log.info("engine processes answered: %s", ", ".join(
+                f"{e.label} pid {e.engine_pid} max_sessions={e.max_sessions}" for e in self.pool.engines))
+
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         if self.settings.checkpoint is None:
@@ -76,15 +111,18 @@ class Services:
                         "nvidia/personaplex-7b-v1 checkpoint directory.")
         log.info("starting %d engine(s): backend=%s max_sessions=%d in all", len(self.pool.engines),
                  self.settings.backend, self.max_sessions)
-        # The engine threads release the interpreter lock around every GPU call and wait on
-        # the GPU; taking it back from a busy event loop costs up to one switch interval
-        # per call (5 ms by default, several times per tick).  A short interval bounds that.
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        if self.in_process:
+            # The engine threads release the interpreter lock around every GPU call and wait
+            # on the GPU; taking it back from a busy event loop costs up to one switch
+            # interval per call (5 ms by default, several times per tick).  A short interval
+            # bounds that.  (Engine processes set their own.)
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.pool.start(self._loop, self.deliver)
         if self.settings.watchdog_deadline_s > 0:
             self._tasks.extend(asyncio.ensure_future(engine.watchdog.run()) for engine in self.pool.engines)
         if self._listeners.listeners:
             self._tasks.append(asyncio.ensure_future(self._watch_listeners()))
+        self._tasks.append(asyncio.ensure_future(self._watch_loop()))
 
     def stop(self) -> None:
         self.drain("serving stopped")
@@ -103,29 +141,42 @@ class Services:
         for session in list(self.sessions.values()):
             session.request_stop("shutdown")
 
+    async def _watch_loop(self) -> None:
+        """Sample this worker's event-loop lag (how late a timer runs) and its task count."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LOOP_SAMPLE_S
+            await asyncio.sleep(LOOP_SAMPLE_S)
+            self.metrics.observe_loop(max(0.0, loop.time() - due), len(asyncio.all_tasks()))
+
     async def _watch_listeners(self) -> None:
         while not self._listeners.closed():
             await asyncio.sleep(LISTENER_POLL_S)
         self.drain("the server stopped listening")
 
-    def open_refusal(self) -> tuple[ProtocolError, str] | None:
+    def open_refusal(self, *, at_open: bool = False) -> tuple[ProtocolError, str] | None:
         """Why a new session cannot be placed now, with the reason it is counted under in
-        ``connections_refused`` (``full``: also ``sessions_refused``), or None."""
+        ``connections_refused`` (``full``: also ``sessions_refused``), or None.  ``at_open``:
+        for the open itself, where an engine process that looks full to this worker is asked
+        anyway (its admission is global and this worker's view of it a heartbeat old)."""
         if self.draining:
             return ProtocolError("server_shutting_down", "the server is shutting down; connect again (to another "
                                  "replica)", retryable=True), "shutdown"
         unavailable = self.pool.unavailable()
         if unavailable is not None:
             return unavailable, "stalled" if unavailable.code == "engine_stalled" else "unavailable"
-        if self.pool.choose() is None:
-            return ProtocolError("resource_exhausted", f"duplex_session_capacity_exhausted: limit={self.max_sessions}",
-                                 retryable=True), "full"
+        if self.pool.choose(views_may_lag=at_open) is None:
+            return self.full_error(), "full"
         return None
+
+    def full_error(self) -> ProtocolError:
+        return ProtocolError("resource_exhausted", f"duplex_session_capacity_exhausted: limit={self.max_sessions}",
+                             retryable=True)
 
     def place_session(self) -> DeviceEngine:
         """Hold an admission slot for a new session on the engine placement picks; raises
         ``open_refusal()``'s error (counted in the metrics) when there is none."""
-        refusal = self.open_refusal()
+        refusal = self.open_refusal(at_open=True)
         if refusal is not None:
             error, reason = refusal
             self.count_refusal(reason)
@@ -215,19 +266,8 @@ class Services:
             reason = "full"
         ready = reason in (None, "full")
         body: dict[str, Any] = {"ready": ready, "free_slots": pool.free, "max_sessions": pool.capacity,
-                                "live_sessions": pool.held}
+                                "live_sessions": pool.held, "worker_pid": os.getpid()}
         if reason is not None:
             body["reason"] = reason
         body["devices"] = [engine.status() for engine in pool.engines]
         return (200 if reason is None else 503), body
-
-
-def _with_fault_injection(factory: EngineFactory, spec: str | None) -> EngineFactory:
-    """The factory as is, or (testing only) one whose engines fail on purpose."""
-    if not spec:
-        return factory
-    try:
-        plans = FaultPlan.parse_all(spec)
-    except FaultPlanError as exc:
-        raise SettingsError(f"{env_name('fault_injection')}: {exc}") from None
-    return lambda *args, **kwargs: FaultyEngine(factory(*args, **kwargs), plans)

@@ -9,6 +9,7 @@ events is the order of the client's messages and of the ticks.  The websocket it
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -45,25 +46,28 @@ class Outbox:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.bytes = 0  # queued plus the one being sent
-        self._items: deque[tuple[str, str | None]] = deque()  # (json text, response id or None)
+        # (json text, response id or None, arrival times of the client frames it answers)
+        self._items: deque[tuple[str, str | None, tuple[float, ...]]] = deque()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def put(self, text: str, tag: str | None = None, force: bool = False) -> bool:
+    def put(self, text: str, tag: str | None = None, force: bool = False, answers: tuple[float, ...] = ()) -> bool:
         if self.bytes + len(text) > (2 * self.limit if force else self.limit):
             return False
-        self._items.append((text, tag))
+        self._items.append((text, tag, answers))
         self.bytes += len(text)
         self._wake.set()
         self._idle.clear()
         return True
 
-    async def get(self) -> str:
+    async def get(self) -> tuple[str, tuple[float, ...]]:
+        """The next event's text and the arrival times of the client frames it answers."""
         while not self._items:
             self._wake.clear()
             await self._wake.wait()
-        return self._items.popleft()[0]
+        text, _, answers = self._items.popleft()
+        return text, answers
 
     def sent(self, text: str) -> None:
         self.bytes -= len(text)
@@ -73,13 +77,13 @@ class Outbox:
     def drop(self, tag: str) -> None:
         """Forget queued events of one response (an accepted cancel drops unsent deltas)."""
         kept = deque(item for item in self._items if item[1] != tag)
-        self.bytes -= sum(len(text) for text, t in self._items if t == tag)
+        self.bytes -= sum(len(text) for text, t, _ in self._items if t == tag)
         self._items = kept
         if not self._items and self.bytes == 0:
             self._idle.set()
 
     def clear(self) -> None:
-        self.bytes -= sum(len(text) for text, _ in self._items)
+        self.bytes -= sum(len(text) for text, _, _ in self._items)
         self._items.clear()
         if self.bytes == 0:
             self._idle.set()
@@ -99,6 +103,7 @@ class _Response:
     transcript: str = ""
     timing: dict[str, Any] = field(default_factory=dict)  # of the latest frame
     pending_silence: int = 0  # of the pending frames, how many answer silence the server fed
+    pending_answers: list[float] = field(default_factory=list)  # arrival times of the client frames they answer
 
 
 class Session:
@@ -127,6 +132,9 @@ class Session:
         self._last_item_id: str | None = None
         self._seq = 0
         self._max_pending_frames = max(1, settings.max_pending_input_bytes // _F32_FRAME_BYTES)
+        # Arrival (monotonic) of each client frame handed to the scheduler and not yet
+        # answered, oldest first: the start of personaplex_frame_latency_seconds.
+        self._arrivals: deque[float] = deque()
 
     @property
     def scheduler(self) -> TickScheduler:
@@ -135,7 +143,7 @@ class Session:
 
     # Emitting ---------------------------------------------------------------------------------
     def emit(self, payload: dict[str, Any], *, tag: str | None = None, journal: bool = True,
-             force: bool = False) -> None:
+             force: bool = False, answers: tuple[float, ...] = ()) -> None:
         """Queue one server event (stamped with ``event_id`` and ``server_event_seq``)."""
         if self.stop.done() and not force:
             return
@@ -144,7 +152,7 @@ class Session:
             self._seq += 1
             event["server_event_seq"] = self._seq
         event.update(payload)
-        if not self.outbox.put(json_codec.dumps(event), tag, force):
+        if not self.outbox.put(json_codec.dumps(event), tag, force, answers):
             self._overflow()
 
     def emit_error(self, error: ProtocolError, client_event_id: str | None = None) -> None:
@@ -188,6 +196,7 @@ class Session:
             elif kind == "input_audio_buffer.clear":
                 if self._input is not None:
                     self._input.clear()
+                self._arrivals.clear()
                 self._scheduler.drop_pending(self.id)
                 self.emit({"type": "input_audio_buffer.cleared"})
             elif kind in ("input_audio_buffer.commit", "input.commit"):
@@ -248,6 +257,7 @@ class Session:
         self._input = stream
         frames = stream.push(samples)
         if len(frames):
+            self._arrivals.extend([time.monotonic()] * len(frames))
             self._scheduler.push(self.id, self.epoch, frames)
 
     def _commit(self) -> None:
@@ -255,6 +265,7 @@ class Session:
         if self._input is not None:
             frame = self._input.pad_to_frame()
             if frame is not None:
+                self._arrivals.append(time.monotonic())
                 self._scheduler.push(self.id, self.epoch, frame[None, :])
         self.emit({"type": "input_audio_buffer.committed", "previous_item_id": self._last_item_id, "item_id": None})
 
@@ -280,7 +291,12 @@ class Session:
         if active is not None:
             self.outbox.drop(active.id)
             self._end_response("cancelled", "client_cancelled")
+        self._new_epoch()
+
+    def _new_epoch(self) -> None:
+        """Start a new epoch: the scheduler drops the frames not yet stepped."""
         self.epoch += 1
+        self._arrivals.clear()
         self._scheduler.restart(self.id, self.epoch)
 
     # Model output -----------------------------------------------------------------------------
@@ -296,6 +312,8 @@ class Session:
         response = self._response or self._open_response()
         response.pending.append(result.pcm16)
         response.pending_silence += int(result.silence_input)
+        if not result.silence_input and self._arrivals:
+            response.pending_answers.append(self._arrivals.popleft())
         response.pending_text += result.text
         response.timing = {"tick": result.tick, "tick_ms": round(result.tick_ms, 3), "batch_size": result.batch_size,
                            "input_wait_ms": round(result.wait_ms, 3), "silence_input": result.silence_input}
@@ -319,6 +337,8 @@ class Session:
         response.pending.clear()
         response.pending_text = ""
         silence_frames, response.pending_silence = response.pending_silence, 0
+        answers = tuple(response.pending_answers)
+        response.pending_answers.clear()
         response.deltas += 1
         response.audio_ms += n * FRAME_MS
         response.transcript += text
@@ -336,7 +356,7 @@ class Session:
             # as answers to the client's frames).
             "timing": {**response.timing, "silence_input_frames": silence_frames},
         }
-        self.emit(ev.audio_delta(response.id, pcm16_base64(pcm), metadata), tag=response.id)
+        self.emit(ev.audio_delta(response.id, pcm16_base64(pcm), metadata), tag=response.id, answers=answers)
         self.emit(ev.transcript_delta(response.id, text), tag=response.id)
 
     def _end_response(self, status: str, reason: str | None) -> None:
@@ -358,8 +378,7 @@ class Session:
             return
         # A failed step may leave the slot's context half-updated: a fresh epoch (the
         # scheduler has already queued its restart; this call then changes nothing).
-        self.epoch += 1
-        self._scheduler.restart(self.id, self.epoch)
+        self._new_epoch()
 
     # Closing ----------------------------------------------------------------------------------
     def begin_close(self) -> None:

@@ -40,6 +40,7 @@ SESSION_MEMORY_GB = {"auto": 1.6, "fp8": 0.82}
 
 
 AUTH_MODES = ("auto", "required", "off")
+ENGINE_HOSTS = ("process", "thread")
 REFUSE_WHEN_FULL_MODES = ("event", "http")
 
 
@@ -71,6 +72,14 @@ class Settings:
     max_sessions: int | None = None
     # Device memory of one session's full KV window; None = 1.6 (7B, bf16) or 0.82 (fp8).
     session_memory_gb: float | None = None
+    # Where the engines run: "process" = one engine process per device, started (and
+    # restarted) by this server's engine host; the front-end workers (hypercorn --workers K)
+    # reach them over IPC and share their admission.  "thread" = the engines run as threads
+    # of this one process (one worker only: K > 1 would give each worker its own engines).
+    engine_host: str = "process"
+    # The directory where one server's processes meet (sockets, settings, metrics); None = a
+    # directory per server under $XDG_RUNTIME_DIR or the temp dir (orchestrator/ipc/endpoints.py).
+    run_dir: str | None = None
     # Lockstep scheduler ----------------------------------------------------------------------
     # When to tick (orchestrator/tick_policy.py): "window" ticks once every live session has a
     # frame or the oldest frame waited batch_window_ms; "paced" at most once per interval that
@@ -138,6 +147,9 @@ class Settings:
             positive(name)
         for name in ("batch_window_ms", "silence_grace_s", "warmup_frames"):
             positive(name, allow_zero=True)
+        if self.engine_host not in ENGINE_HOSTS:
+            raise SettingsError(f"{env_name('engine_host')} must be one of {', '.join(ENGINE_HOSTS)}, "
+                                f"got {self.engine_host!r}")
         if self.tick_policy not in POLICIES:
             raise SettingsError(f"{env_name('tick_policy')} must be one of {', '.join(POLICIES)}, "
                                 f"got {self.tick_policy!r}")

@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 class Watchdog:
     def __init__(self, scheduler: TickScheduler, deadline_s: float, metrics: Metrics,
                  on_stall: Callable[[EngineCall, float], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, count_stalls: bool = True) -> None:
+        # ``count_stalls``: False where the engine process counts its own stalls (every
+        # worker watches the same engine; counting in each would count a stall K times).
         # ``clock`` must be the scheduler's (both default to time.monotonic).
         self.scheduler = scheduler
         self.deadline_s = deadline_s
@@ -34,6 +36,7 @@ class Watchdog:
         self._on_stall = on_stall
         self._clock = clock
         self._stalled: EngineCall | None = None
+        self._count_stalls = count_stalls
 
     @property
     def period_s(self) -> float:
@@ -61,9 +64,10 @@ class Watchdog:
         call = self.scheduler.busy
         now = self._clock()
         if call is not None and now - call.since > self.deadline_s:
-            if self._stalled is not call:
+            if self._stalled != call:  # equal, not identical: an engine process's call is re-read per status
                 self._stalled = call
-                self._metrics.inc("tick_stalls")
+                if self._count_stalls:
+                    self._metrics.inc("tick_stalls")
                 log.error("watchdog: the engine thread%s is stuck in a %s (%d session(s)) for %.1f s, past the %g s "
                           "deadline; it takes no new sessions until it returns", self._of_device, call.kind,
                           call.sessions, now - call.since, self.deadline_s)

@@ -86,13 +86,18 @@ class Server:
     """``python -m hypercorn orchestrator:app`` on 127.0.0.1 (or ``host``), port chosen by the
     OS; clients always connect through 127.0.0.1."""
 
-    def __init__(self, host: str = "127.0.0.1", **settings: Any) -> None:
+    def __init__(self, host: str = "127.0.0.1", *, workers: int = 1, launcher: str = "hypercorn",
+                 **settings: Any) -> None:
+        # ``launcher``: "hypercorn" (python -m hypercorn) or "personaplex" (orchestrator.serve,
+        # hypercorn's command line with a master that replaces a dead worker).
         env = {k: v for k, v in os.environ.items() if not k.startswith("PERSONAPLEX_") or k == "PERSONAPLEX_CACHE_DIR"}
         env.update({f"PERSONAPLEX_{k.upper()}": str(v) for k, v in settings.items()})
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         self.log: deque[str] = deque(maxlen=5000)
+        module = {"hypercorn": "hypercorn", "personaplex": "orchestrator.serve"}[launcher]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hypercorn", "orchestrator:app", "--bind", f"{host}:0", "--graceful-timeout", "2"],
+            [sys.executable, "-m", module, "orchestrator:app", "--bind", f"{host}:0", "--graceful-timeout", "2",
+             "--workers", str(workers)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.port: int | None = None
         found = threading.Event()
@@ -113,6 +118,11 @@ class Server:
         self.http = f"http://127.0.0.1:{self.port}"
         self.ws = f"ws://127.0.0.1:{self.port}"
         self.wait_ready()
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the front-end workers (hypercorn's children that answer /ready)."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        return [int(pid) for pid in children if "spawn_main" in _cmdline(int(pid))]
 
     def logs(self) -> str:
         return "\n".join(self.log)
@@ -172,6 +182,13 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 # Clients of the scenario that ``run`` is executing: closed whatever way it ends.

@@ -375,17 +375,20 @@ def test_per_device_metrics_exposition():
                                 "free_slots": 1, "max_sessions": 4},
                                {"device": "cuda:1", "ready": False, "state": "stalled", "live_sessions": 0,
                                 "free_slots": 4, "max_sessions": 4}]
-    metrics.observe_tick(0.015, 3, 0, device="cuda:0")
-    metrics.observe_tick(0.05, 1, 0, device="cuda:0")
+    for device in ("cuda:0", "cuda:1"):
+        metrics.declare_device(device)  # what each DeviceEngine does when it is built
+    metrics.observe_tick(0.015, 3, 0, device="cuda:0", live=4)
+    metrics.observe_tick(0.05, 1, 0, device="cuda:0", live=4)
     text = metrics.render()
-    assert 'personaplex_device_sessions_live{device="cuda:0"} 3' in text
-    assert 'personaplex_device_engine_stalled{device="cuda:1"} 1' in text
-    assert 'personaplex_device_ready{device="cuda:1"} 0' in text
-    assert 'personaplex_device_tick_duration_seconds_bucket{device="cuda:0",le="0.02"} 1' in text
-    assert 'personaplex_device_tick_duration_seconds_count{device="cuda:0"} 2' in text
-    assert 'personaplex_device_tick_duration_seconds_count{device="cuda:1"} 0' in text  # listed before its first tick
+    assert 'personaplex_device_sessions_live{device="cuda:0"} 3.0' in text
+    assert 'personaplex_device_engine_stalled{device="cuda:1"} 1.0' in text
+    assert 'personaplex_device_ready{device="cuda:1"} 0.0' in text
+    assert 'personaplex_device_tick_duration_seconds_bucket{device="cuda:0",le="0.02"} 1.0' in text
+    assert 'personaplex_device_tick_duration_seconds_count{device="cuda:0"} 2.0' in text
+    assert 'personaplex_device_tick_duration_seconds_count{device="cuda:1"} 0.0' in text  # listed before its first tick
     assert 'personaplex_device_batch_size_sum{device="cuda:0"} 4.0' in text
-    assert "personaplex_tick_duration_seconds_count 2" in text  # the unlabelled totals stay
+    assert 'personaplex_device_batch_fill{device="cuda:0"} 0.25' in text  # the latest tick: 1 of 4 live
+    assert "personaplex_tick_duration_seconds_count 2.0" in text  # the unlabelled totals stay
     families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
     assert len(families) == len(set(families))
     for line in text.splitlines():

@@ -220,7 +220,7 @@ def test_session_handles_any_event_sequence(script):
                 session.on_result(FrameFailure("duplex-fuzz", session.epoch + step[1], "boom", fatal=step[2]))
         session.begin_close()
         assert scheduler.restarts == sorted(set(scheduler.restarts)), "epochs only move forward"
-        return [json.loads(text) for text, _ in session.outbox._items]
+        return [json.loads(text) for text, *_ in session.outbox._items]
 
     events = asyncio.run(play())
     _check_server_events(events)

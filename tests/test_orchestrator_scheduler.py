@@ -52,7 +52,7 @@ def make_scheduler():
         scheduler = TickScheduler(lambda: create_engine(None, max_slots=max_slots),
                                   policy=make_policy(policy, min_wait_s=window_ms / 1e3, busy_target=0.7),
                                   silence_grace_s=grace_s, warmup_frames=2, metrics=Metrics())
-        scheduler.start(sink, sink.deliver)
+        scheduler.start(sink.deliver)
         assert scheduler.ready.wait(120) and scheduler.load_error is None
         made.append(scheduler)
         return scheduler, sink

@@ -300,7 +300,7 @@ def test_session_drops_late_outputs_of_a_cancelled_epoch():
         session = Session("s", SessionConfig(model="m"), scheduler=scheduler, settings=Settings(),
                           metrics=Metrics(), caps=capabilities(2))
         session.on_result(result(0))
-        opened = [json.loads(text)["type"] for text, _ in session.outbox._items]
+        opened = [json.loads(text)["type"] for text, *_ in session.outbox._items]
         assert opened[0] == "response.created" and opened[-2:] == [
             "response.output_audio.delta", "response.output_audio_transcript.delta"]
         session.handle({"type": "response.cancel"})
@@ -309,7 +309,7 @@ def test_session_drops_late_outputs_of_a_cancelled_epoch():
         session.on_result(result(0))  # a tick that was in flight during the cancel
         assert len(session.outbox._items) == queued
         session.on_result(result(1))
-        types = [json.loads(text)["type"] for text, _ in list(session.outbox._items)[queued:]]
+        types = [json.loads(text)["type"] for text, *_ in list(session.outbox._items)[queued:]]
         assert types[0] == "response.created" and types[-1] == "response.output_audio_transcript.delta"
 
     asyncio.run(scenario())

@@ -1,0 +1,84 @@
+"""A front-end worker's way to its server's engine host: find it, or start it.
+
+Every worker of a server calls ``ensure_host``; the first to take ``spawn.lock`` writes the
+settings and starts the host (in a session of its own, so that neither a worker's death nor a
+terminal's Ctrl-C reaches it before the server itself has gone: the host follows the
+server's hypercorn process and stops its engines after that); the others find it running.
+All of them then read ``layout.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..ipc.endpoints import layout_path, lock_path, settings_path
+
+log = logging.getLogger(__name__)
+
+LAYOUT_TIMEOUT_S = 120.0  # the host resolves the devices (may import torch) before writing it
+
+
+class HostStartError(RuntimeError):
+    """The engine host could not be started or reported an error."""
+
+
+def _host_running(run_dir: Path) -> bool:
+    """True while some process holds ``host.lock``."""
+    try:
+        with open(lock_path(run_dir), "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            return False
+    except BlockingIOError:
+        return True
+
+
+def ensure_host(settings: Any, run_dir: Path, watch_pid: int) -> dict[str, Any]:
+    """Start this server's engine host unless it runs; return its layout (``layout.json``)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "spawn.lock", "a+") as spawn:
+        fcntl.flock(spawn, fcntl.LOCK_EX)
+        if not _host_running(run_dir):
+            try:
+                layout_path(run_dir).unlink()  # a stale one of a host that is gone
+            except FileNotFoundError:
+                pass
+            tmp = settings_path(run_dir).with_suffix(".tmp")
+            tmp.write_text(json.dumps(dataclasses.asdict(settings)))
+            tmp.replace(settings_path(run_dir))
+            proc = subprocess.Popen([sys.executable, "-m", "orchestrator.engine_host", "host", "--run-dir",
+                                     str(run_dir), "--watch-pid", str(watch_pid)], start_new_session=True)
+            log.info("started the engine host (pid %d) in %s", proc.pid, run_dir)
+            deadline = time.monotonic() + 10.0
+            while not _host_running(run_dir):  # keep the other workers out until it holds its lock
+                if proc.poll() is not None:
+                    raise HostStartError(f"the engine host exited at start (code {proc.returncode})")
+                if time.monotonic() > deadline:
+                    raise HostStartError("the engine host did not start within 10 s")
+                time.sleep(0.02)
+    return _wait_layout(run_dir)
+
+
+def _wait_layout(run_dir: Path) -> dict[str, Any]:
+    deadline = time.monotonic() + LAYOUT_TIMEOUT_S
+    path = layout_path(run_dir)
+    while time.monotonic() < deadline:
+        try:
+            layout = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            if not _host_running(run_dir):
+                raise HostStartError(f"the engine host of {run_dir} is not running") from None
+            time.sleep(0.02)
+            continue
+        if layout.get("error"):
+            raise HostStartError(layout["error"])
+        return layout
+    raise HostStartError(f"the engine host wrote no layout within {LAYOUT_TIMEOUT_S:g} s")

@@ -1,0 +1,102 @@
+"""``python -m orchestrator.serve orchestrator:app --workers K ...``: hypercorn's command line
+with a master that keeps the server up when one worker dies.
+
+hypercorn's own master (``hypercorn --workers K``) stops every worker as soon as one exits
+with an error, so one crashed worker ends every session of the server.  This master takes
+the same arguments (it is hypercorn's parser; only the supervision differs) and:
+
+- starts K workers on the shared listening sockets (hypercorn's ``asyncio`` worker, or
+  ``uvloop`` with ``-k uvloop``);
+- replaces a worker that exits while the server is serving (after a pause that grows while
+  workers keep dying within ``QUICK_DEATH_S`` of their start): the engine processes free
+  the dead worker's sessions, and the other workers' sessions are not touched;
+- on SIGTERM or SIGINT tells every worker to shut down gracefully (each drains its
+  sessions) and waits for all of them.
+
+The engine host follows this process (it is the workers' parent), as it follows hypercorn's.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import sys
+import time
+from multiprocessing.connection import wait
+from typing import Any
+
+log = logging.getLogger("orchestrator.serve")
+
+QUICK_DEATH_S = 10.0
+MAX_BACKOFF_S = 10.0
+
+
+def supervise(config: Any) -> int:
+    """Run ``config.workers`` workers and keep them running until SIGTERM/SIGINT."""
+    from hypercorn.asyncio.run import asyncio_worker, uvloop_worker
+
+    if config.worker_class not in ("asyncio", "uvloop"):
+        raise SystemExit(f"orchestrator.serve: worker class {config.worker_class!r} is not supported "
+                         "(asyncio or uvloop)")
+    target = uvloop_worker if config.worker_class == "uvloop" else asyncio_worker
+    sockets = config.create_sockets()
+    context = multiprocessing.get_context("spawn")
+    shutdown = context.Event()
+    stopping: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
+        shutdown.set()
+
+    # Workers inherit an ignored SIGINT: Ctrl-C reaches the master, which shuts them down in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    workers: dict[Any, float] = {}  # process -> start time
+    quick_deaths = 0
+
+    def start_worker() -> None:
+        process = context.Process(target=target, kwargs={"config": config, "sockets": sockets,
+                                                         "shutdown_event": shutdown})
+        process.start()
+        workers[process] = time.monotonic()
+
+    for _ in range(max(1, config.workers)):
+        start_worker()
+    for signame in ("SIGINT", "SIGTERM"):
+        signal.signal(getattr(signal, signame), on_signal)
+    exitcode = 0
+    while workers:
+        ended = wait([p.sentinel for p in workers], timeout=0.5)
+        for process in [p for p in list(workers) if p.sentinel in ended]:
+            started = workers.pop(process)
+            process.join()
+            if shutdown.is_set():
+                exitcode = exitcode or (process.exitcode if process.exitcode and process.exitcode > 0 else 0)
+                continue
+            quick_deaths = quick_deaths + 1 if time.monotonic() - started < QUICK_DEATH_S else 0
+            delay = 0.0 if quick_deaths <= 1 else min(MAX_BACKOFF_S, 2.0 ** (quick_deaths - 2))
+            log.error("worker %d ended (exit code %s) while serving; starting another%s", process.pid,
+                      process.exitcode, f" in {delay:g} s" if delay else "")
+            if quick_deaths > 5:
+                log.error("workers keep dying at start; stopping the server")
+                shutdown.set()
+                exitcode = 1
+                continue
+            time.sleep(delay)
+            start_worker()
+    for sock in [*sockets.secure_sockets, *sockets.insecure_sockets]:
+        sock.close()
+    return exitcode
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import hypercorn.__main__ as hypercorn_cli
+
+    # hypercorn's parser builds the Config and hands it to ``run``: ours supervises instead.
+    hypercorn_cli.run = supervise
+    return hypercorn_cli.main(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The serving layout: one engine process per device, several front-end workers.
+
+A real ``hypercorn orchestrator:app --workers 2`` (and the ``orchestrator.serve`` launcher) on
+loopback with the tiny model: admission is global across the workers, every session gets its
+audio whichever worker holds its socket, an engine process killed with SIGKILL is replaced
+(its sessions told, ``/ready`` again with the new ``engine_pid``, new sessions stream), a
+worker killed loses only its own sessions, and SIGTERM drains everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from tests.orch_support import Client, Server, f32_append, run, speech_frames
+
+MAX_SESSIONS = 3
+
+
+def _engine(server: Server) -> dict:
+    status, body = server.get("/ready")
+    return body["devices"][0]
+
+
+def _wait(predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def _open_on_both_workers(server: Server, n: int) -> list[tuple[Client, str]]:
+    """Open ``n`` sessions such that both workers hold at least one (the kernel picks which
+    worker accepts a socket: reconnect until both have one)."""
+    opened: list[tuple[Client, str]] = []
+    for _ in range(40):
+        if len(opened) == n:
+            # sessions_by_worker comes with the engine's heartbeat: wait until it counts them all.
+            _wait(lambda: sum(_engine(server)["sessions_by_worker"].values()) == n, what="the engine's count")
+            by_worker = _engine(server)["sessions_by_worker"]
+            if len([pid for pid, count in by_worker.items() if count > 0]) >= 2:
+                return opened
+            client, _ = opened.pop()
+            await client.close()
+            await client.wait_closed()
+        opened.append(await _open_one(server))
+    raise AssertionError(f"sessions never spread over both workers: {_engine(server)}")
+
+
+async def _open_one(server: Server, timeout: float = 5.0) -> tuple[Client, str]:
+    """Open a session, retrying a ``resource_exhausted`` (retryable) while a slot that was just
+    freed is not yet seen free by the worker that takes the socket: its view of the engine's
+    admission is a heartbeat old (the engine itself admits exactly ``max_sessions``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        client = await Client.connect(server.ws + "/v1/realtime?duplex=1")
+        await client.send({"type": "session.update", "session": {"temperature": 0}})
+        first = await client.next(lambda e: e["type"] in ("session.created", "error"))
+        if first["type"] == "session.created":
+            await client.next("session.updated")
+            return client, first["session"]["id"]
+        assert first["error"]["code"] == "resource_exhausted" and time.monotonic() < deadline, first
+        await client.wait_closed()
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    server = Server(workers=2, max_sessions=MAX_SESSIONS, warmup_frames=2, silence_grace_s=0.5)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_admission_is_global_and_every_session_streams(two_workers: Server):
+    server = two_workers
+    server.wait_free_slots(MAX_SESSIONS)
+    assert len(server.worker_pids()) == 2
+    frames = speech_frames(8)
+
+    async def scenario():
+        sessions = await _open_on_both_workers(server, MAX_SESSIONS)
+        # The 4th and 5th opens are refused whichever worker takes their socket.
+        for _ in range(2):
+            extra = await Client.connect(server.ws + "/v1/realtime?duplex=1")
+            await extra.send({"type": "session.update", "session": {}})
+            error = await extra.next("error")
+            assert error["error"]["code"] == "resource_exhausted"
+            assert error["error"]["message"] == f"duplex_session_capacity_exhausted: limit={MAX_SESSIONS}"
+            assert (await extra.wait_closed())[0] == 1013
+        for frame in frames:
+            for client, _ in sessions:
+                await client.send(f32_append(frame))
+        for client, session_id in sessions:
+            pcm = await client.wait_audio_frames(len(frames))
+            assert len(pcm) >= len(frames) * 1920 and np.abs(pcm.astype(np.float32)).mean() > 0
+            assert all(e["metadata"]["session_id"] == session_id for e in client.audio())
+        for client, _ in sessions:
+            await client.close()
+
+    run(scenario())
+    server.wait_free_slots(MAX_SESSIONS)
+    assert server.metric("personaplex_sessions_refused_total") == 2  # counted once each, across workers
+    assert server.metric('personaplex_frame_latency_seconds_count{device="cpu"}') >= MAX_SESSIONS * len(frames)
+    assert server.metric('personaplex_device_tick_duration_seconds_count{device="cpu"}') >= len(frames)
+
+
+def test_an_engine_killed_is_replaced_and_its_sessions_are_told(two_workers: Server):
+    server = two_workers
+    server.wait_free_slots(MAX_SESSIONS)
+    old_pid = _engine(server)["engine_pid"]
+
+    async def scenario():
+        sessions = await _open_on_both_workers(server, 2)
+        for client, _ in sessions:
+            await client.send(f32_append(speech_frames(1)[0]))
+            await client.wait_audio_frames(1)
+        os.kill(old_pid, signal.SIGKILL)
+        for client, _ in sessions:
+            error = await client.next("error", timeout=15)
+            assert error["error"]["code"] == "engine_error"
+            assert f"the engine process of cpu (pid {old_pid}) has exited" in error["error"]["message"]
+            closed = await client.next("session.closed", timeout=15)
+            assert closed["reason"] == "engine_error"
+            assert (await client.wait_closed())[0] == 1011
+
+    run(scenario())
+    _wait(lambda: server.get("/ready")[0] == 200, what="/ready after the restart")
+    engine = _engine(server)
+    assert engine["engine_pid"] != old_pid and engine["free_slots"] == MAX_SESSIONS
+    assert server.metric('personaplex_engine_restarts_total{device="cpu"}') == 1
+
+    async def streams_again():
+        client = await Client.connect(server.ws + "/v1/realtime?duplex=1")
+        await client.open(temperature=0)
+        for frame in speech_frames(4):
+            await client.send(f32_append(frame))
+        await client.wait_audio_frames(4)
+        await client.close()
+
+    run(streams_again())
+
+
+@pytest.mark.parametrize("launcher", ["personaplex"])
+def test_a_worker_killed_loses_only_its_own_sessions(launcher: str):
+    """With the launcher's master a dead worker is replaced; the engine frees its slots and
+    the other worker's sessions stream on without a gap."""
+    server = Server(workers=2, launcher=launcher, max_sessions=MAX_SESSIONS, warmup_frames=2, silence_grace_s=0.5)
+    try:
+        server.wait_free_slots(MAX_SESSIONS)
+
+        async def scenario():
+            sessions = await _open_on_both_workers(server, 2)
+            by_worker = _engine(server)["sessions_by_worker"]
+            victim = int(next(pid for pid, count in by_worker.items() if count > 0))
+            survivors = [pid for pid in server.worker_pids() if pid != victim]
+            os.kill(victim, signal.SIGKILL)
+            # The engine notices within a heartbeat or two and frees the victim's slot.
+            deadline = time.monotonic() + 10
+            while _engine(server)["live_sessions"] != 1:
+                assert time.monotonic() < deadline, _engine(server)
+                await asyncio.sleep(0.05)
+            # The survivor's session (on the other worker) keeps streaming.
+            alive = [client for client, _ in sessions]
+            for frame in speech_frames(6):
+                for client in list(alive):
+                    try:
+                        await client.send(f32_append(frame))
+                    except Exception:  # noqa: BLE001 - the victim's socket (its worker is gone)
+                        alive.remove(client)
+            streamed = 0
+            for client in alive:
+                try:
+                    await client.wait_audio_frames(6, timeout=15)
+                    streamed += 1
+                except AssertionError:
+                    pass
+            assert streamed == 1, "exactly the survivor's session streams"
+            return survivors
+
+        survivors = run(scenario())
+        _wait(lambda: len(server.worker_pids()) == 2, what="the master to replace the worker")
+        assert set(survivors) <= set(server.worker_pids())
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_every_worker_and_stops_the_engines():
+    server = Server(workers=2, max_sessions=MAX_SESSIONS, warmup_frames=2)
+    try:
+        server.wait_free_slots(MAX_SESSIONS)
+        engine_pid = _engine(server)["engine_pid"]
+
+        async def scenario():
+            sessions = await _open_on_both_workers(server, 2)
+            server.proc.send_signal(signal.SIGTERM)
+            for client, _ in sessions:
+                closed = await client.next("session.closed", timeout=15)
+                assert closed["reason"] == "shutdown"
+                assert (await client.wait_closed())[0] == 1001
+
+        run(scenario())
+        assert server.proc.wait(30) == 0
+        _wait(lambda: not os.path.exists(f"/proc/{engine_pid}"), what="the engine process to stop")
+    finally:
+        server.stop()
