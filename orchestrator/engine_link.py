@@ -75,6 +75,7 @@ class EngineLink:
         self._pending: dict[str, int] = {}
         self._queued: list[tuple[str, int, np.ndarray]] = []  # input frames not yet sent
         self._flush_scheduled = False
+        self._status_waiters: list[asyncio.Future] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # Lifecycle ----------------------------------------------------------------------------------
@@ -161,6 +162,19 @@ class EngineLink:
 
     def pending(self, key: str) -> int:
         return self._pending.get(key, 0)
+
+    async def refresh(self, timeout_s: float = 0.5) -> None:
+        """Ask the engine for its status now and wait for it (at most ``timeout_s``): what
+        ``/ready``, ``/health`` and ``/metrics`` report is then exact, not a heartbeat old.
+        A silent engine leaves the last status in place (its absence is ``alive``'s business)."""
+        assert self._loop is not None
+        waiter = self._loop.create_future()
+        self._status_waiters.append(waiter)
+        self._send([wire.STATUS_NOW])
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
     # Sending --------------------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -301,6 +315,10 @@ class EngineLink:
             self.voices = tuple(status["voices"])
             self.ready.set()
         self.first_status.set()
+        waiters, self._status_waiters = self._status_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _lost(self, why: str) -> None:
         """The engine process is gone: tell every session on it, fail its opens, end its closes."""

@@ -54,6 +54,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory |
 
     @app.get("/health")
     async def health() -> Response:
+        await services().refresh()
         status, body = services().health()
         return jsonify(body), status
 
@@ -62,6 +63,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory |
         # ?require_free_slot=1: also 503 "full" when a new session would be refused for
         # capacity, so that a balancer's health check stops sending a full replica clients.
         require_free_slot = request.args.get("require_free_slot", "").lower() in _ON
+        await services().refresh()
         status, body = services().readiness(require_free_slot=require_free_slot)
         return jsonify(body), status
 
@@ -80,6 +82,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory |
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        await services().refresh()
         return Response(services().metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.websocket("/v1/realtime")

@@ -24,6 +24,7 @@ from typing import Any
 
 from .access import AccessPolicy
 from .engine_host.launch import ensure_host
+from .engine_link import EngineLink
 from .engine_pool import DeviceEngine, EngineFactory, EnginePool
 from .errors import ProtocolError
 from .events import capabilities
@@ -230,6 +231,13 @@ class Services:
                 session.on_result(result)
 
     # Status -----------------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Engine processes: fetch each one's status now, so that what this worker reports
+        is exact whichever worker answers (between requests its view is a heartbeat old)."""
+        links = [e.scheduler for e in self.pool.engines if isinstance(e.scheduler, EngineLink)]
+        if links:
+            await asyncio.gather(*(link.refresh() for link in links))
+
     def health(self) -> tuple[int, dict[str, Any]]:
         """503 when no engine can serve (the one engine's reason, or each device's) or while
         draining; the per-device detail is added whenever some engine has a problem."""

@@ -14,8 +14,10 @@ from tests.orch_support import Server
 @pytest.fixture(scope="session")
 def orch_server():
     """The main server: two sessions, silence feeding off (so a session's output depends on
-    its own input only), a short first-message timeout for the handshake tests."""
-    server = Server(max_sessions=2, silence_grace_s=0, first_message_timeout_s=1.0)
+    its own input only), a short first-message timeout for the handshake tests; two front-end
+    workers sharing one engine process, so the acceptance, error and lifecycle tests hold
+    for the multi-worker layout (the other servers run the one-worker default)."""
+    server = Server(max_sessions=2, silence_grace_s=0, first_message_timeout_s=1.0, workers=2)
     yield server
     server.stop()
     server.assert_clean_log()
@@ -68,8 +70,9 @@ def speech_pcm(speech_wav):
 def e2e_duplex_server():
     """A real server for the load-driver end-to-end tests: two sessions (the lifecycle's
     admission limit and the N=2 load), silence feeding off so a session's output frames are
-    exactly its input frames even when a slow machine needs a long drain."""
-    server = Server(max_sessions=2, silence_grace_s=0)
+    exactly its input frames even when a slow machine needs a long drain.  Two front-end
+    workers: the driver's contract holds whichever worker takes each socket."""
+    server = Server(max_sessions=2, silence_grace_s=0, workers=2)
     yield server
     server.stop()
     server.assert_clean_log()

@@ -167,6 +167,8 @@ class EngineProcess:
                     scheduler.push(key, epoch, frames)
         elif kind == wire.HELLO:
             worker.pid = int(wire.read_header(parts[1]).get("pid", 0))
+        elif kind == wire.STATUS_NOW:
+            self._send(worker.identity, [wire.STATUS, wire.header(self.status())])
         elif kind == wire.OPEN:
             meta = wire.read_header(parts[1])
             self._open(worker, str(meta["key"]), wire.spec_from_wire(meta["spec"]))

@@ -7,7 +7,7 @@ one ``PUSH`` (one buffer per session), and a tick's output for one worker in one
 (one ``[n, 1920]`` int16 buffer, row ``i`` for lane ``i`` of the header).
 
 Worker -> engine: ``HELLO`` (heartbeat, every ``HEARTBEAT_S``), ``OPEN``, ``CLOSE``,
-``RESTART``, ``DROP``, ``PUSH``.  Engine -> worker: ``STATUS`` (heartbeat and state),
+``RESTART``, ``DROP``, ``PUSH``, ``STATUS_NOW``.  Engine -> worker: ``STATUS`` (heartbeat and state),
 ``OPENED``, ``CLOSED``, ``FRAMES``, ``FAILURES``.  Every function here is pure: the sockets
 live in ``engine_host/engine_process.py`` and ``orchestrator/engine_link.py``.
 """
@@ -29,6 +29,7 @@ CLOSE = b"close"
 RESTART = b"restart"
 DROP = b"drop"
 PUSH = b"push"
+STATUS_NOW = b"status?"  # answer with a STATUS now (a worker answering /ready, /health, /metrics)
 STATUS = b"status"
 OPENED = b"opened"
 CLOSED = b"closed"
