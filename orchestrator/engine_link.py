@@ -4,8 +4,9 @@
 ``TickScheduler`` (``open``, ``close``, ``restart``, ``push``, ``drop_pending``, ``pending``,
 ``ready``, ``load_error``, ``info``, ``voices``, ``busy``, ``failed_ticks_in_row``, ``alive``),
 so the rest of the front end does not know whether its engine runs in a thread of this
-process or in an engine process.  It lives on the worker's event loop (one DEALER socket of
-``zmq.asyncio``; ``ipc/wire.py`` has the messages):
+process or in an engine process.  It lives on the worker's event loop (one DEALER socket,
+read by the loop's reader callback without a future per message; ``ipc/wire.py`` has the
+messages):
 
 - input frames of one event-loop pass go in one ``PUSH``; a control message first sends
   what is queued, so the engine sees everything in the order the sessions did it;
@@ -33,7 +34,6 @@ from typing import Any, Callable
 
 import numpy as np
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from engines.interface import EngineError, EngineInfo, SessionSpec
@@ -42,6 +42,8 @@ from .ipc import wire
 from .scheduler import EngineCall, FrameFailure, FrameResult
 
 log = logging.getLogger(__name__)
+
+_MAX_PER_DRAIN = 256  # messages handled in one go before the loop runs other work
 
 
 class EngineLoadError(RuntimeError):
@@ -66,7 +68,9 @@ class EngineLink:
         self.sessions_by_worker: dict[int, int] = {}  # worker pid -> its sessions here (status)
         self.first_status = asyncio.Event()
         self._last_status = float("-inf")
-        self._socket: zmq.asyncio.Socket | None = None
+        self._socket: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._drain_scheduled = False
         self._tasks: list[asyncio.Task] = []
         self._deliver: Callable[[list], None] = lambda results: None
         self._opens: dict[str, concurrent.futures.Future] = {}
@@ -80,30 +84,43 @@ class EngineLink:
 
     # Lifecycle ----------------------------------------------------------------------------------
     def start(self, deliver: Callable[[list], None]) -> None:
-        self._loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._deliver = deliver
-        context = zmq.asyncio.Context.instance()
-        sock = context.socket(zmq.DEALER)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"w{os.getpid()}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 20)  # ms: a restarted engine is found at once
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
         sock.connect(self.endpoint)
         self._socket = sock
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._tasks = [asyncio.ensure_future(self._receive()), asyncio.ensure_future(self._heartbeat()),
-                       asyncio.ensure_future(self._watch_connection(monitor))]
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # A ZeroMQ socket's FD signals *edges*: readable means "look at EVENTS", and any send
+        # may consume an edge, so every drain reads until EVENTS says nothing is left, and a
+        # send is followed by a look (``_after_send``).
+        loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
+        loop.add_reader(self._monitor.getsockopt(zmq.FD), self._drain_monitor)
+        loop.call_soon(self._drain_monitor)  # arm both: an edge may have passed before the readers
+        loop.call_soon(self._drain)
+        self._tasks = [asyncio.ensure_future(self._heartbeat())]
 
     def request_stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        if self._socket is not None:
-            try:
-                self._socket.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self._socket.close(0)
-            self._socket = None
+        loop, sock, monitor = self._loop, self._socket, self._monitor
+        self._socket = self._monitor = None
+        if sock is None:
+            return
+        if loop is not None and not loop.is_closed():
+            for one in (sock, monitor):
+                if one is not None:
+                    loop.remove_reader(one.getsockopt(zmq.FD))
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        if monitor is not None:
+            monitor.close(0)
+        sock.close(0)
 
     def stop(self, timeout: float = 0.0) -> None:
         self.request_stop()
@@ -199,6 +216,15 @@ class EngineLink:
             log.warning("engine %s: its queue is full; a message was dropped", self.device)
         except zmq.ZMQError as exc:
             log.warning("engine %s: send failed (%s)", self.device, exc)
+        self._after_send()
+
+    def _after_send(self) -> None:
+        """A send may have taken the FD's edge for messages already waiting: read them soon."""
+        sock = self._socket
+        if sock is not None and not self._drain_scheduled and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._drain_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._drain)
 
     async def _heartbeat(self) -> None:
         hello = [wire.HELLO, wire.header({"pid": os.getpid()})]
@@ -209,43 +235,54 @@ class EngineLink:
                 self.engine_pid = None
             await asyncio.sleep(wire.HEARTBEAT_S)
 
-    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+    def _drain_monitor(self) -> None:
         """The engine's end of the Unix socket closed: the process has exited or been killed.
         Its sessions are told now, not a heartbeat timeout later (the host restarts it; the
         link reconnects by itself)."""
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED and self.engine_pid is not None:
-                    self._lost(f"the engine process of {self.device} (pid {self.engine_pid}) has exited")
-                    self.engine_pid = None
-        finally:
-            monitor.close(0)
+        monitor = self._monitor
+        while monitor is not None and monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            if event["event"] == zmq.EVENT_DISCONNECTED and self.engine_pid is not None:
+                self._lost(f"the engine process of {self.device} (pid {self.engine_pid}) has exited")
+                self.engine_pid = None
 
     # Receiving ------------------------------------------------------------------------------------
-    async def _receive(self) -> None:
+    def _drain(self) -> None:
+        """Read and handle every message waiting (at most ``_MAX_PER_DRAIN`` before letting the
+        loop run other work; the rest follow at once)."""
+        self._drain_scheduled = False
         sock = self._socket
-        assert sock is not None
-        while True:
-            parts = await sock.recv_multipart(copy=False)
-            kind = parts[0].bytes
+        for _ in range(_MAX_PER_DRAIN):
+            if sock is None or self._socket is not sock or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
             try:
-                if kind == wire.FRAMES:
-                    self._on_frames(parts)
-                elif kind == wire.STATUS:
-                    self._on_status(wire.read_header(parts[1]))
-                elif kind == wire.FAILURES:
-                    self._on_failures(wire.read_header(parts[1]))
-                elif kind == wire.OPENED:
-                    self._on_opened(wire.read_header(parts[1]))
-                elif kind == wire.CLOSED:
-                    self._on_closed(wire.read_header(parts[1]))
-                else:
-                    raise wire.WireError(f"unknown message kind {kind!r}")
-            except (wire.WireError, KeyError, TypeError, ValueError, IndexError) as exc:
-                log.error("engine %s: dropped a malformed %r message: %s", self.device, kind, exc)
-            except Exception:  # noqa: BLE001 - one bad delivery must not stop this worker's frames
-                log.exception("engine %s: handling a %r message failed", self.device, kind)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(parts)
+        self._drain_scheduled = True
+        assert self._loop is not None
+        self._loop.call_soon(self._drain)
+
+    def _handle(self, parts: list) -> None:
+        kind = parts[0].bytes
+        try:
+            if kind == wire.FRAMES:
+                self._on_frames(parts)
+            elif kind == wire.STATUS:
+                self._on_status(wire.read_header(parts[1]))
+            elif kind == wire.FAILURES:
+                self._on_failures(wire.read_header(parts[1]))
+            elif kind == wire.OPENED:
+                self._on_opened(wire.read_header(parts[1]))
+            elif kind == wire.CLOSED:
+                self._on_closed(wire.read_header(parts[1]))
+            else:
+                raise wire.WireError(f"unknown message kind {kind!r}")
+        except (wire.WireError, KeyError, TypeError, ValueError, IndexError) as exc:
+            log.error("engine %s: dropped a malformed %r message: %s", self.device, kind, exc)
+        except Exception:  # noqa: BLE001 - one bad delivery must not stop this worker's frames
+            log.exception("engine %s: handling a %r message failed", self.device, kind)
 
     def _on_frames(self, parts: list) -> None:
         meta, pcm16 = wire.read_frames(parts)
