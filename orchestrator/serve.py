@@ -10,6 +10,9 @@ the same arguments (it is hypercorn's parser; only the supervision differs) and:
 - replaces a worker that exits while the server is serving (after a pause that grows while
   workers keep dying within ``QUICK_DEATH_S`` of their start): the engine processes free
   the dead worker's sessions, and the other workers' sessions are not touched;
+- stops with exit status 1 when a worker exits with an error during start-up (within
+  ``QUICK_DEATH_S`` of the start, before any worker has lived that long: bad settings, no
+  GPU), where hypercorn's own master may report 0; a worker killed by a signal is replaced;
 - on SIGTERM or SIGINT tells every worker to shut down gracefully (each drains its
   sessions) and waits for all of them.
 
@@ -65,13 +68,26 @@ def supervise(config: Any) -> int:
     for signame in ("SIGINT", "SIGTERM"):
         signal.signal(getattr(signal, signame), on_signal)
     exitcode = 0
+    began = time.monotonic()
+    served = False  # a worker has lived past QUICK_DEATH_S: start-up is over
     while workers:
         ended = wait([p.sentinel for p in workers], timeout=0.5)
+        now = time.monotonic()
+        served = served or any(now - started >= QUICK_DEATH_S for started in workers.values())
         for process in [p for p in list(workers) if p.sentinel in ended]:
             started = workers.pop(process)
             process.join()
             if shutdown.is_set():
                 exitcode = exitcode or (process.exitcode if process.exitcode and process.exitcode > 0 else 0)
+                continue
+            if not served and now - began < QUICK_DEATH_S and (process.exitcode or 0) > 0:
+                # It raised before the server had been up for long (a signal is another
+                # matter: a kill, an OOM): start-up failed (bad settings, no GPU); starting it
+                # again would fail the same way.
+                log.error("worker %d failed at start-up (exit code %s); stopping the server (see the error above)",
+                          process.pid, process.exitcode)
+                shutdown.set()
+                exitcode = 1
                 continue
             quick_deaths = quick_deaths + 1 if time.monotonic() - started < QUICK_DEATH_S else 0
             delay = 0.0 if quick_deaths <= 1 else min(MAX_BACKOFF_S, 2.0 ** (quick_deaths - 2))
