@@ -14,7 +14,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -213,6 +215,10 @@ def test_sigterm_drains_every_worker_and_stops_the_engines():
         run(scenario())
         assert server.proc.wait(30) == 0
         _wait(lambda: not os.path.exists(f"/proc/{engine_pid}"), what="the engine process to stop")
+        # The server's run directory (sockets, settings, metrics files) goes with it.
+        base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+        run_dir = base / f"personaplex-serve-{os.getuid()}" / str(server.proc.pid)
+        _wait(lambda: not run_dir.exists(), what=f"{run_dir} to be removed")
     finally:
         server.stop()
 

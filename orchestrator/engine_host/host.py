@@ -123,12 +123,24 @@ def run_host(run_dir: Path, watch_pid: int) -> int:
                 engine_socket_path(run_dir, engine.index).unlink()
             except FileNotFoundError:
                 pass
-        try:
-            layout_path(run_dir).unlink()
-        except FileNotFoundError:
-            pass
+        _clean(run_dir)
     log.info("engine host: stopped (%s)", "signal" if stopping else "the server has exited")
     return 0
+
+
+def _clean(run_dir: Path) -> None:
+    """Remove what this server put in its run directory (the workers have exited by now), and
+    the directory itself if nothing else is in it."""
+    shutil.rmtree(metrics_dir(run_dir), ignore_errors=True)
+    for path in (layout_path(run_dir), settings_path(run_dir), run_dir / "spawn.lock", lock_path(run_dir)):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+    try:
+        run_dir.rmdir()
+    except OSError:  # not empty: an operator's directory (PERSONAPLEX_RUN_DIR) with more in it
+        pass
 
 
 def _stop(engines: list[_Engine]) -> None:
