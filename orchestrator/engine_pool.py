@@ -207,9 +207,14 @@ class EnginePool:
                                         on_stall=on_stall))
         return cls(engines)
 
+    @property
+    def links(self) -> list[EngineLink]:
+        """The links of the engines that run in engine processes (none in the thread layout)."""
+        return [e.scheduler for e in self.engines if isinstance(e.scheduler, EngineLink)]
+
     async def wait_connected(self, timeout_s: float) -> None:
         """Wait for every engine process's first status (it says the engine's capacity)."""
-        links = [e.scheduler for e in self.engines if isinstance(e.scheduler, EngineLink)]
+        links = self.links
         try:
             await asyncio.wait_for(asyncio.gather(*(link.first_status.wait() for link in links)), timeout_s)
         except asyncio.TimeoutError:

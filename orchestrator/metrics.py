@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -75,7 +74,6 @@ class Metrics:
             raise RuntimeError("prometheus_client was imported before its multiprocess directory was set")
         self._prom = prom
         self.registry = prom.CollectorRegistry(auto_describe=True)
-        self._lock = threading.Lock()
         reg = self.registry
         self._counters = {name: prom.Counter(family, help_text, [label] if label else [], registry=reg)
                           for name, (family, help_text, label) in _COUNTERS.items()}
@@ -115,7 +113,6 @@ class Metrics:
         self.ready: Callable[[], bool] = lambda: False
         self.engine_stalled: Callable[[], bool] = lambda: False
         self.draining: Callable[[], bool] = lambda: False
-        self.loop_tasks: Callable[[], int] = lambda: 0
         self.registry.register(_ScrapeGauges(self))
 
     # Recording ----------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from typing import Any
 
 from .access import AccessPolicy
 from .engine_host.launch import ensure_host
-from .engine_link import EngineLink
 from .engine_pool import DeviceEngine, EngineFactory, EnginePool
 from .errors import ProtocolError
 from .events import capabilities
@@ -234,7 +233,7 @@ class Services:
     async def refresh(self) -> None:
         """Engine processes: fetch each one's status now, so that what this worker reports
         is exact whichever worker answers (between requests its view is a heartbeat old)."""
-        links = [e.scheduler for e in self.pool.engines if isinstance(e.scheduler, EngineLink)]
+        links = self.pool.links
         if links:
             await asyncio.gather(*(link.refresh() for link in links))
 

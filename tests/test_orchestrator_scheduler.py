@@ -20,14 +20,11 @@ GREEDY = SessionSpec(sampling=SamplingParams(greedy=True))
 
 
 class Collector:
-    """Stands in for the event loop: runs the scheduler's hand-backs right away and records them."""
+    """The scheduler's hand-back: records the results it is given (on the engine thread)."""
 
     def __init__(self) -> None:
         self.results: list[FrameResult] = []
         self.cond = threading.Condition()
-
-    def call_soon_threadsafe(self, fn, *args):
-        fn(*args)
 
     def deliver(self, results) -> None:
         with self.cond:

@@ -34,8 +34,9 @@ import numpy as np
 import zmq
 
 from ..ipc import wire
-from ..ipc.endpoints import engine_endpoint, engine_socket_path
-from ..metrics import mark_process_dead
+from ..ipc.endpoints import engine_endpoint, engine_socket_path, pid_alive
+from ..metrics import Metrics, mark_process_dead
+from ..watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -50,22 +51,13 @@ class _Worker:
     keys: set[str] = field(default_factory=set)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
 class EngineProcess:
     def __init__(self, run_dir: Path, index: int, label: str, max_sessions: int, scheduler: Any, *,
-                 metrics: Any = None, watchdog_deadline_s: float = 0.0) -> None:
-        self._metrics = metrics
-        self._deadline_s = watchdog_deadline_s
-        self._stalled_call: Any = None  # the engine call last counted as a stall
+                 metrics: Metrics, watchdog_deadline_s: float = 0.0) -> None:
+        # Stalls are counted (and logged) here, once: each worker's own watchdog only warns
+        # its sessions, since counting there would count a stall once per worker.
+        self._watchdog = (Watchdog(scheduler, watchdog_deadline_s, metrics, lambda call, elapsed: None)
+                          if watchdog_deadline_s > 0 else None)
         self.run_dir = run_dir
         self.index = index
         self.label = label
@@ -115,7 +107,8 @@ class EngineProcess:
                 if now >= next_beat:
                     next_beat = now + wire.HEARTBEAT_S
                     self._check_workers(now)
-                    self._check_stall(now)
+                    if self._watchdog is not None:
+                        self._watchdog.check()
                     self._send_status()
         finally:
             log.info("engine %s (pid %d) stopping", self.label, self._pid)
@@ -214,28 +207,16 @@ class EngineProcess:
     def _check_workers(self, now: float) -> None:
         for identity, worker in list(self._workers.items()):
             silent = now - worker.last_seen > wire.PEER_TIMEOUT_S
-            if not silent and not (worker.pid and not _pid_alive(worker.pid)):
+            exited = bool(worker.pid) and not pid_alive(worker.pid)
+            if not silent and not exited:
                 continue
             del self._workers[identity]
             log.warning("engine %s: worker %r (pid %d) is gone (%s); closing its %d session(s)", self.label, identity,
-                        worker.pid, "silent" if silent else "exited", len(worker.keys))
+                        worker.pid, "exited" if exited else "silent", len(worker.keys))
             for key in list(worker.keys):
                 self._close(key)
-            if worker.pid and not _pid_alive(worker.pid):
+            if exited:
                 mark_process_dead(worker.pid)  # its live gauges leave the sums
-
-    def _check_stall(self, now: float) -> None:
-        """Count an engine call past the watchdog deadline once (the workers' watchdogs warn
-        their sessions; counting there would count it once per worker)."""
-        call = self.scheduler.busy
-        if (self._deadline_s > 0 and call is not None and now - call.since > self._deadline_s
-                and call != self._stalled_call):
-            self._stalled_call = call
-            if self._metrics is not None:
-                self._metrics.inc("tick_stalls")
-            log.error("watchdog: engine %s: a %s of %d session(s) has run %.1f s, past the %g s deadline (counted "
-                      "here, once; each worker warns its own sessions)", self.label, call.kind, call.sessions,
-                      now - call.since, self._deadline_s)
 
     # Scheduler results ----------------------------------------------------------------------------
     def _handle_inbox(self) -> None:

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..ipc.endpoints import engine_endpoint, engine_socket_path, layout_path, lock_path, metrics_dir, settings_path
+from ..ipc.endpoints import (engine_endpoint, engine_socket_path, layout_path, lock_path, metrics_dir, pid_alive,
+                             settings_path, write_atomic)
 from ..metrics import Metrics, mark_process_dead
 
 log = logging.getLogger(__name__)
@@ -37,16 +38,6 @@ POLL_S = 0.05
 QUICK_DEATH_S = 30.0
 MAX_BACKOFF_S = 30.0
 STOP_GRACE_S = 10.0
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Engine:
@@ -111,7 +102,7 @@ def run_host(run_dir: Path, watch_pid: int) -> int:
     log.info("engine host (pid %d) for server %d: %d engine(s): %s", os.getpid(), watch_pid, len(engines),
              ", ".join(labels))
     try:
-        while not stopping and _pid_alive(watch_pid):
+        while not stopping and pid_alive(watch_pid):
             now = time.monotonic()
             for engine in engines:
                 engine.check(now)
@@ -161,6 +152,4 @@ def _write_layout(run_dir: Path, engines: list[dict], error: str | None = None) 
     body: dict = {"host_pid": os.getpid(), "engines": engines}
     if error is not None:
         body["error"] = error
-    tmp = layout_path(run_dir).with_suffix(".tmp")
-    tmp.write_text(json.dumps(body))
-    tmp.replace(layout_path(run_dir))
+    write_atomic(layout_path(run_dir), json.dumps(body))

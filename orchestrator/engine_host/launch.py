@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..ipc.endpoints import layout_path, lock_path, settings_path
+from ..ipc.endpoints import layout_path, lock_path, settings_path, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,7 @@ def ensure_host(settings: Any, run_dir: Path, watch_pid: int) -> dict[str, Any]:
                 layout_path(run_dir).unlink()  # a stale one of a host that is gone
             except FileNotFoundError:
                 pass
-            tmp = settings_path(run_dir).with_suffix(".tmp")
-            tmp.write_text(json.dumps(dataclasses.asdict(settings)))
-            tmp.replace(settings_path(run_dir))
+            write_atomic(settings_path(run_dir), json.dumps(dataclasses.asdict(settings)))
             proc = subprocess.Popen([sys.executable, "-m", "orchestrator.engine_host", "host", "--run-dir",
                                      str(run_dir), "--watch-pid", str(watch_pid)], start_new_session=True)
             log.info("started the engine host (pid %d) in %s", proc.pid, run_dir)

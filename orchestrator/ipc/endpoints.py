@@ -54,3 +54,21 @@ def lock_path(run_dir: Path) -> Path:
 
 def metrics_dir(run_dir: Path) -> Path:
     return run_dir / "metrics"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a worker, the server's master: all on this host)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` so that a reader sees the old file or the whole new one, never half."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
