@@ -15,8 +15,8 @@ from typing import Any
 
 
 def create_app(*args: Any, **kwargs: Any) -> Any:
-    """The Quart app (``orchestrator.routes.create_app``); imported here on demand."""
-    from .routes import create_app as build
+    """The Quart app (``orchestrator.frontend.routes.create_app``); imported here on demand."""
+    from .frontend.routes import create_app as build
 
     return build(*args, **kwargs)
 

@@ -13,15 +13,17 @@ import dataclasses
 import json
 import logging
 import os
-import tomllib
+from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+import tomllib
+
 from engines.config import COMPILE_MODES, KV_CACHE_MODES
 from engines.random_weights import RANDOM_MODEL_BYTES, random_model_name
 
-from .tick_policy import POLICIES, PacedPolicy, WindowPolicy, make_policy
+from .lockstep.tick_policy import POLICIES, PacedPolicy, WindowPolicy, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,7 @@ class Settings:
     # directory per server under $XDG_RUNTIME_DIR or the temp dir (orchestrator/ipc/endpoints.py).
     run_dir: str | None = None
     # Lockstep scheduler ----------------------------------------------------------------------
-    # When to tick (orchestrator/tick_policy.py): "window" ticks once every live session has a
+    # When to tick (orchestrator/lockstep/tick_policy.py): "window" ticks once every live session has a
     # frame or the oldest frame waited batch_window_ms; "paced" at most once per interval that
     # keeps the engine about tick_busy_target busy (batch_window_ms its shortest), unless every
     # live session has a frame or a frame has waited a whole period.
@@ -101,7 +103,7 @@ class Settings:
     close_timeout_s: float = 5.0  # how long a closing session may take to flush its events
     api_keys: tuple[str, ...] = ()  # accepted "Authorization: Bearer" keys; empty = open
     model_name: str | None = None  # model id to report; None = the engine's name
-    # Access control (orchestrator/access.py, docs/RELIABILITY.md) ---------------------------
+    # Access control (orchestrator/frontend/access.py, docs/RELIABILITY.md) ---------------------------
     api_keys_file: str | None = None  # more keys, one per line ('#' comments); read at start
     # "auto": keys required when any listening address is not loopback; "required"; "off".
     auth: str = "auto"
@@ -386,3 +388,10 @@ def _build_max_sessions(build_dir: Path) -> int:
         return max(1, int(json.loads((build_dir / "runtime.json").read_text())["max_sessions"]))
     except (OSError, ValueError, KeyError, TypeError):
         return CPU_DEFAULT_MAX_SESSIONS
+
+
+def device_labels(devices: list[str]) -> list[str]:
+    """Names for the engines' devices: the device itself, or ``device#index`` for a device
+    that serves more than one engine (``cpu,cpu``), so that every label is unique."""
+    counts = Counter(devices)
+    return [device if counts[device] == 1 else f"{device}#{index}" for index, device in enumerate(devices)]

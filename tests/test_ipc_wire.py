@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from engines.interface import EngineInfo, SamplingParams, SessionSpec
-from orchestrator.admission import EngineAdmission
-from orchestrator.engine_link import EngineLink
-from orchestrator.engine_pool import DeviceEngine, EnginePool
+from orchestrator.frontend.admission import EngineAdmission
+from orchestrator.frontend.engine_link import EngineLink
+from orchestrator.frontend.engine_pool import DeviceEngine, EnginePool
 from orchestrator.ipc import wire
 from orchestrator.metrics import Metrics
 

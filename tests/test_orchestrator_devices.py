@@ -20,10 +20,10 @@ import pytest
 import websockets
 
 from engines.random_weights import RANDOM_MODEL_BYTES
-from orchestrator.engine_pool import DeviceEngine, EnginePool, device_labels
+from orchestrator.frontend.engine_pool import DeviceEngine, EnginePool
+from orchestrator.lockstep.scheduler import EngineCall
 from orchestrator.metrics import Metrics
-from orchestrator.scheduler import EngineCall
-from orchestrator.settings import Settings, SettingsError
+from orchestrator.settings import Settings, SettingsError, device_labels
 from tests.orch_support import Client, Server, f32_append, run, speech_frames
 
 PERSONA = "You are a concise and helpful assistant."
@@ -118,6 +118,32 @@ def test_sessions_spread_over_devices_and_the_fifth_is_refused(two_cpu_server: S
 
     run(scenario())
     assert server.metric("personaplex_sessions_refused_total") == refused_before + 1
+    wait_live(server, [0, 0])
+
+
+def test_opens_at_once_go_to_another_device_when_the_first_turns_them_down(two_cpu_server: Server):
+    """Four opens sent together: the worker hears of an admitted open only when its prefill is
+    done, so all four are first placed on cpu#0 (the most free slots, lowest index); its
+    engine admits two and turns two down, and those are placed again, on cpu#1.  None is
+    refused while a device has room."""
+    server = two_cpu_server
+    server.wait_free_slots(4)
+    refused_before = server.metric("personaplex_sessions_refused_total")
+
+    async def scenario():
+        clients = [await Client.connect(server.ws + "/v1/realtime") for _ in range(4)]
+        await asyncio.gather(*(c.send({"type": "session.update", "session": {"instructions": PERSONA}})
+                               for c in clients))
+        firsts = await asyncio.gather(*(c.next(lambda e: e["type"] in ("session.created", "error"))
+                                        for c in clients))
+        assert [e["type"] for e in firsts] == ["session.created"] * 4, firsts
+        assert sorted(placed_on(server, e["session"]["id"]) for e in firsts) == ["cpu#0", "cpu#0", "cpu#1", "cpu#1"]
+        assert live_per_device(server) == [2, 2]
+        for client in clients:
+            await client.close()
+
+    run(scenario())
+    assert server.metric("personaplex_sessions_refused_total") == refused_before
     wait_live(server, [0, 0])
 
 
@@ -400,7 +426,7 @@ def test_one_failed_engine_leaves_the_server_healthy_and_serving():
     with the failed device in its detail, /ready is 200, placement skips the failed engine,
     and the full refusal counts the whole capacity."""
     from engines.factory import create_engine
-    from orchestrator.services import Services
+    from orchestrator.frontend.services import Services
 
     def factory(*args, **kwargs):
         # The engines load on their own threads in either order: fail cpu#0's by its thread.
@@ -441,7 +467,7 @@ def test_no_session_starts_while_another_engine_is_still_loading():
     (an engine still compiling would take the interpreter from the other's ticks)."""
     from engines.factory import create_engine
     from engines.interface import SessionSpec
-    from orchestrator.services import Services
+    from orchestrator.frontend.services import Services
 
     release = threading.Event()
 

@@ -22,7 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engines.config import FRAME_SAMPLES
-from orchestrator.audio import (
+from orchestrator.frontend.session import Session
+from orchestrator.lockstep.scheduler import FrameFailure, FrameResult
+from orchestrator.metrics import Metrics
+from orchestrator.protocol.audio import (
     INPUT_CODECS,
     AudioError,
     InputStream,
@@ -33,13 +36,10 @@ from orchestrator.audio import (
     pcm16_base64,
     to_float32,
 )
-from orchestrator.client_events import client_event_id, decode_event, parse_append
-from orchestrator.errors import ProtocolError, error_type
-from orchestrator.events import capabilities, session_object
-from orchestrator.metrics import Metrics
-from orchestrator.scheduler import FrameFailure, FrameResult
-from orchestrator.session import Session
-from orchestrator.session_config import (
+from orchestrator.protocol.client_events import client_event_id, decode_event, parse_append
+from orchestrator.protocol.errors import ProtocolError, error_type
+from orchestrator.protocol.events import capabilities, session_object
+from orchestrator.protocol.session_config import (
     SessionConfig,
     parse_session_update,
     session_payload,

@@ -13,8 +13,8 @@ import pytest
 from engines.factory import create_engine
 from engines.interface import InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec
 from orchestrator.metrics import Metrics
-from orchestrator.scheduler import FrameResult, TickScheduler
-from orchestrator.tick_policy import make_policy
+from orchestrator.lockstep.scheduler import FrameResult, TickScheduler
+from orchestrator.lockstep.tick_policy import make_policy
 
 GREEDY = SessionSpec(sampling=SamplingParams(greedy=True))
 

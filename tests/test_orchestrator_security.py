@@ -14,9 +14,9 @@ import sys
 import pytest
 import websockets
 
-from orchestrator.access import AccessPolicy
-from orchestrator.limits import ClientLimits, EventRate
-from orchestrator.listeners import ListenerWatch, bind_host, find_listeners, is_loopback
+from orchestrator.frontend.access import AccessPolicy
+from orchestrator.frontend.limits import ClientLimits, EventRate
+from orchestrator.frontend.listeners import ListenerWatch, bind_host, find_listeners, is_loopback
 from orchestrator.settings import Settings, SettingsError
 from tests.orch_support import REPO, Client, Server, f32_append, run, speech_frames
 

@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from engines.config import DEFAULT_PERSONA, DEFAULT_VOICE
-from orchestrator.admission import SlotPool
-from orchestrator.audio import (AudioError, InputStream, canonical_codec, decode_base64, float_to_pcm16,
-                                pcm16_base64, to_float32)
-from orchestrator.client_events import decode_event, parse_append
-from orchestrator.errors import ProtocolError, error_type
-from orchestrator.events import capabilities, response_terminal, session_object
+from orchestrator.frontend.admission import SlotPool
 from orchestrator.metrics import Metrics
-from orchestrator.session_config import SessionConfig, parse_session_update
+from orchestrator.protocol.audio import (AudioError, InputStream, canonical_codec, decode_base64, float_to_pcm16,
+                                         pcm16_base64, to_float32)
+from orchestrator.protocol.client_events import decode_event, parse_append
+from orchestrator.protocol.errors import ProtocolError, error_type
+from orchestrator.protocol.events import capabilities, response_terminal, session_object
+from orchestrator.protocol.session_config import SessionConfig, parse_session_update
 from orchestrator.settings import Settings, SettingsError
 
 
@@ -287,9 +287,9 @@ def test_metrics_exposition():
 def test_session_drops_late_outputs_of_a_cancelled_epoch():
     import asyncio
 
-    from orchestrator.scheduler import FrameResult, TickScheduler
-    from orchestrator.tick_policy import WindowPolicy
-    from orchestrator.session import Session
+    from orchestrator.frontend.session import Session
+    from orchestrator.lockstep.scheduler import FrameResult, TickScheduler
+    from orchestrator.lockstep.tick_policy import WindowPolicy
 
     def result(epoch: int) -> FrameResult:
         return FrameResult("s", epoch, np.ones(1920, np.int16), "hi", 5, False, 1, 1.0, 1, 0.0)
@@ -316,7 +316,7 @@ def test_session_drops_late_outputs_of_a_cancelled_epoch():
 
 
 def test_json_codec_is_strict_and_compact():
-    from orchestrator import json_codec
+    from orchestrator.protocol import json_codec
 
     assert json_codec.loads('{"type":"x","n":[1,2.5,"a"]}') == {"type": "x", "n": [1, 2.5, "a"]}
     for text in ('{"n":NaN}', '{"n":Infinity}', '{"n":-Infinity}', '{"n":1e999}', '"\\ud800"', "[" * 1025 + "]" * 1025,
@@ -329,7 +329,7 @@ def test_json_codec_is_strict_and_compact():
 
 
 def test_event_ids_are_unique_and_shaped_like_before():
-    from orchestrator.events import new_event_id
+    from orchestrator.protocol.events import new_event_id
 
     ids = [new_event_id() for _ in range(1000)]
     assert len(set(ids)) == 1000
@@ -341,7 +341,7 @@ def test_the_engine_thread_has_an_os_name():
     import threading
     from pathlib import Path
 
-    from orchestrator.scheduler import name_os_thread
+    from orchestrator.lockstep.scheduler import name_os_thread
 
     if not Path("/proc/self/task").is_dir():
         pytest.skip("no /proc here")

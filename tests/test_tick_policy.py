@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from orchestrator.tick_policy import PacedPolicy, TickState, WindowPolicy, make_policy
+from orchestrator.lockstep.tick_policy import PacedPolicy, TickState, WindowPolicy, make_policy
 
 INF = float("-inf")
 

@@ -21,7 +21,7 @@ from websockets.exceptions import ConnectionClosed
 
 from engines.config import FRAME_SAMPLES
 
-from ..audio import AudioError, decode_base64, float_to_pcm16, pcm16_base64
+from ..protocol.audio import AudioError, decode_base64, float_to_pcm16, pcm16_base64
 
 log = logging.getLogger(__name__)
 

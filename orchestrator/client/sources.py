@@ -18,7 +18,7 @@ from engines.audio_io import frames_of, read_audio
 from engines.config import FRAME_SAMPLES, SAMPLE_RATE
 from engines.errors import AudioInputError
 
-from ..audio import InputStream
+from ..protocol.audio import InputStream
 
 FRAME_S = FRAME_SAMPLES / SAMPLE_RATE
 

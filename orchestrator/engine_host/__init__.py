@@ -4,5 +4,5 @@
 one engine process per device (``engine_process.py``), restarts one that dies and stops them
 all when the server's hypercorn process has gone.  ``launch.py`` is what a worker calls to
 find (or start) the host of its server.  The front end's side of the wire is
-``orchestrator/engine_link.py``.
+``orchestrator/frontend/engine_link.py``.
 """

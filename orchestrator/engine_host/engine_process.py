@@ -35,8 +35,8 @@ import zmq
 
 from ..ipc import wire
 from ..ipc.endpoints import engine_endpoint, engine_socket_path, pid_alive
+from ..lockstep.watchdog import Watchdog
 from ..metrics import Metrics, mark_process_dead
-from ..watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 

@@ -79,8 +79,7 @@ def run_host(run_dir: Path, watch_pid: int) -> int:
     except BlockingIOError:
         log.info("engine host: another host already serves %s", run_dir)
         return 0
-    from ..settings import Settings, SettingsError
-    from ..engine_pool import device_labels
+    from ..settings import Settings, SettingsError, device_labels
 
     try:
         settings = Settings.from_mapping(json.loads(settings_path(run_dir).read_text()))

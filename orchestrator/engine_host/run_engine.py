@@ -33,8 +33,8 @@ def run_engine(run_dir: Path, index: int) -> int:
 
     from ..fault_injection import with_fault_injection
     from ..ipc.endpoints import metrics_dir
+    from ..lockstep.scheduler import TickScheduler
     from ..metrics import Metrics
-    from ..scheduler import TickScheduler
     from .engine_process import EngineProcess
 
     max_sessions = settings.resolved_max_sessions(device)

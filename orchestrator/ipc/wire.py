@@ -9,7 +9,7 @@ one ``PUSH`` (one buffer per session), and a tick's output for one worker in one
 Worker -> engine: ``HELLO`` (heartbeat, every ``HEARTBEAT_S``), ``OPEN``, ``CLOSE``,
 ``RESTART``, ``DROP``, ``PUSH``, ``STATUS_NOW``.  Engine -> worker: ``STATUS`` (heartbeat and state),
 ``OPENED``, ``CLOSED``, ``FRAMES``, ``FAILURES``.  Every function here is pure: the sockets
-live in ``engine_host/engine_process.py`` and ``orchestrator/engine_link.py``.
+live in ``engine_host/engine_process.py`` and ``orchestrator/frontend/engine_link.py``.
 """
 
 from __future__ import annotations

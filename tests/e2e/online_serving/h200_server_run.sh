@@ -1,71 +1,83 @@
 #!/usr/bin/env bash
-# One end-to-end server measurement on a GPU machine (docs/PERFORMANCE.md): start
-# `hypercorn orchestrator:app` with random 7B weights and fp8 KV, wait for /ready, run the load
-# driver (full windows, worker processes), and leave under $OUT the summary, a gzipped
-# load-result.json (when it fits), the lag plot, the server and driver logs, the GPU and
-# /metrics before and after (metrics.txt), and the GPU's utilisation per second.  Usage (from the repository root):
-#   OUT=/tmp/out bash tests/e2e/online_serving/h200_server_run.sh POLICY SESSIONS FRAMES [PROCESSES] [WAV]
-# POLICY is PERSONAPLEX_TICK_POLICY (window | paced).  Wheels the machine lacks go in .whl/.
-# The layout: ENGINE_HOST=process (default: an engine process, WORKERS front-end workers, default
-# 1) or ENGINE_HOST=thread (the engine as a thread of the one server process, the old layout).
+# End-to-end server measurements on a GPU machine (docs/PERFORMANCE.md): start
+# `hypercorn orchestrator:app` once with random 7B weights and fp8 KV, time its start-up to
+# /ready, then run each LOAD in turn against it with the load driver (full windows, worker
+# processes, starts spread over the frame period), and stop it.  Usage (repository root):
+#   OUT=/tmp/out bash tests/e2e/online_serving/h200_server_run.sh POLICY LOAD [LOAD ...]
+# POLICY is PERSONAPLEX_TICK_POLICY (window | paced); a LOAD is SESSIONS:FRAMES[:PROCESSES]
+# (driver processes: default one per 16 sessions, at least 2).  Under $OUT, per load,
+# POLICY-nSESSIONS.tgz: the driver's summary and log, per-session lag figures (sessions.json),
+# load-result.json.gz (when under 12 MB), the lag plot,
+# /metrics before and after (metrics.txt), the GPU's utilisation per second (gpu-dmon.txt)
+# and the busiest threads every 20 s (top-threads.txt); per server, POLICY-server.tgz: its log
+# and start-up time (startup.txt).  Settings: WORKERS (front-end workers, default 4),
+# ENGINE_HOST (process | thread: the old one-process layout), MAX_SESSIONS (default: the
+# largest load), SPREAD_MS (default 80), WAV (default artifacts/input_assistant.wav); wheels
+# the machine lacks go in .whl/.
 set -uo pipefail
-policy=$1 sessions=$2 frames=$3 processes=${4:-8} wav=${5:-artifacts/input_assistant.wav}
+policy=$1
+shift
 out=${OUT:?set OUT}
-load=$(mktemp -d /tmp/load-XXXX)/result  # a warm machine keeps /tmp: never reuse a directory
+wav=${WAV:-artifacts/input_assistant.wav}
+engine_host=${ENGINE_HOST:-process}
+workers=${WORKERS:-4}
+[ "$engine_host" = thread ] && workers=1
+largest=0
+for load in "$@"; do n=${load%%:*}; [ "$n" -gt "$largest" ] && largest=$n; done
+mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
     export PYTHONPATH=/tmp/site:$PWD
 fi
-nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv | tee /tmp/gpu.txt
+revision=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+server_dir=$(mktemp -d /tmp/server-XXXX)  # a warm machine keeps /tmp: never reuse a directory
 export PERSONAPLEX_CHECKPOINT=random:personaplex-7b PERSONAPLEX_DEVICES=0 PERSONAPLEX_KV_CACHE=fp8 \
-    PERSONAPLEX_MAX_SESSIONS=$sessions PERSONAPLEX_TICK_POLICY=$policy PERSONAPLEX_ENGINE_HOST=${ENGINE_HOST:-process} \
-    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache PERSONAPLEX_CACHE_DIR=/tmp/personaplex-cache
+    PERSONAPLEX_MAX_SESSIONS=${MAX_SESSIONS:-$largest} PERSONAPLEX_TICK_POLICY=$policy \
+    PERSONAPLEX_ENGINE_HOST=$engine_host
 started=$SECONDS
-workers=${WORKERS:-1}
-[ "${ENGINE_HOST:-process}" = thread ] && workers=1
-python3 -m hypercorn orchestrator:app --bind 127.0.0.1:8000 --workers "$workers" > "$out/server.log" 2>&1 &
+python3 -m hypercorn orchestrator:app --bind 127.0.0.1:8000 --workers "$workers" > "$server_dir/server.log" 2>&1 &
 server=$!
 until curl -sf 127.0.0.1:8000/ready >/dev/null; do
-    kill -0 $server 2>/dev/null || { echo "server exited"; tail -20 "$out/server.log"; exit 1; }
-    [ $((SECONDS - started)) -gt 400 ] && { echo "not ready in 400 s"; exit 1; }
-    sleep 2
+    kill -0 $server 2>/dev/null || { echo "server exited"; tail -20 "$server_dir/server.log"; exit 1; }
+    [ $((SECONDS - started)) -gt 600 ] && { echo "not ready in 600 s"; kill $server; exit 1; }
+    sleep 1
 done
-echo "ready after $((SECONDS - started)) s"
+echo "$policy: ready after $((SECONDS - started)) s (git $revision, $gpu, engine $engine_host, $workers worker(s), max_sessions $PERSONAPLEX_MAX_SESSIONS)" | tee "$server_dir/startup.txt"
 model=$(curl -s 127.0.0.1:8000/v1/models | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
-{ cat /tmp/gpu.txt; echo "# /metrics before the load"; curl -s 127.0.0.1:8000/metrics; } > "$out/metrics.txt"
-nvidia-smi dmon -s u -d 1 > "$out/gpu-dmon.txt" 2>&1 &
-dmon=$!
-# Per-thread CPU every 20 s during the load (the busiest 20 threads of each sample).
-(top -b -H -d 20 -w 250 -o %CPU | awk '/^top -/{n=0} {if (n++ < 27) print}' > "$out/top-threads.txt" 2>&1) &
-topper=$!
-tail_s=$(python3 -c "print(max(2.0, $frames * 0.08 - 38.0))")
-python3 -m orchestrator.load_driver --model "$model" --input-wav "$wav" --sessions "$sessions" \
-    --processes "$processes" --load-frames "$frames" --tail-s "$tail_s" --plot --progress-s 30 --start-spread-ms "${SPREAD_MS:-0}" \
-    --server-revision "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-    --server-hardware "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), policy $policy, engine ${ENGINE_HOST:-process}, $workers worker(s)" \
-    --output-dir "$load" > "$out/summary.txt" 2> "$out/driver.log"
-echo "driver exit $?"
-kill $dmon; pkill -P $topper; kill $topper 2>/dev/null
-{ echo "# /metrics after the load"; curl -s 127.0.0.1:8000/metrics; } >> "$out/metrics.txt"
-tail -4 "$out/summary.txt"
-# THEN="N FRAMES": a second, lighter load on the same server once the first has ended.
-if [ -n "${THEN:-}" ]; then
-    set -- $THEN
+for load in "$@"; do
+    IFS=: read -r sessions frames processes <<< "$load"
+    processes=${processes:-$(( sessions / 16 > 2 ? sessions / 16 : 2 ))}
+    run="$policy-n$sessions"
+    dir="$server_dir/$run"
+    mkdir -p "$dir"
+    { nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv
+      echo "# /metrics before the load"; curl -s 127.0.0.1:8000/metrics; } > "$dir/metrics.txt"
+    nvidia-smi dmon -s u -d 1 > "$dir/gpu-dmon.txt" 2>&1 &
+    dmon=$!
+    (top -b -H -d 20 -w 250 -o %CPU | awk '/^top -/{n=0} {if (n++ < 27) print}' > "$dir/top-threads.txt" 2>&1) &
+    topper=$!
+    tail_s=$(python3 -c "print(max(2.0, $frames * 0.08 - 38.0))")
+    python3 -m orchestrator.load_driver --model "$model" --input-wav "$wav" --sessions "$sessions" \
+        --processes "$processes" --load-frames "$frames" --tail-s "$tail_s" --plot --progress-s 30 \
+        --start-spread-ms "${SPREAD_MS:-80}" --server-revision "$revision" \
+        --server-hardware "$gpu, policy $policy, engine $engine_host, $workers worker(s)" \
+        --output-dir "$dir/result" > "$dir/summary.txt" 2> "$dir/driver.log"
+    echo "$run: driver exit $?"
+    kill $dmon; pkill -P $topper; kill $topper 2>/dev/null
+    { echo "# /metrics after the load"; curl -s 127.0.0.1:8000/metrics; } >> "$dir/metrics.txt"
+    python3 -m orchestrator.load_driver.reread --json "$dir/result/load-result.json" > "$dir/sessions.json"
+    gzip -c "$dir/result/load-result.json" > "$dir/load-result.json.gz"
+    # The device returns files of up to 16 MiB: a full-window result of many sessions is larger.
+    [ "$(stat -c %s "$dir/load-result.json.gz")" -lt 12000000 ] || rm "$dir/load-result.json.gz"
+    cp "$dir/result/load-timeline.png" "$dir/lag.png" 2>/dev/null
+    rm -rf "$dir/result"
+    tail -4 "$dir/summary.txt"
+    grep -E "^personaplex_(tick_duration_seconds|batch_size)_(sum|count)" "$dir/metrics.txt"
+    tar -czf "$out/$run.tgz" -C "$server_dir" "$run"
     sleep 5
-    python3 -m orchestrator.load_driver --model "$model" --input-wav "$wav" --sessions "$1" --processes 2 \
-        --load-frames "$2" --tail-s "$(python3 -c "print(max(2.0, $2 * 0.08 - 38.0))")" --plot --progress-s 30 \
-        --start-spread-ms "${SPREAD_MS:-0}" --server-revision "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" \
-        --server-hardware "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), policy $policy, engine ${ENGINE_HOST:-process}, $workers worker(s)" \
-        --output-dir "$load-then" > "$out/summary-then.txt" 2> "$out/driver-then.log"
-    echo "second driver exit $?"
-    tail -4 "$out/summary-then.txt"
-    gzip -c "$load-then/load-result.json" > "$out/load-result-then.json.gz"
-    cp "$load-then/load-timeline.png" "$out/load-timeline-then.png" 2>/dev/null
-fi
-gzip -c $load/load-result.json > /tmp/load-result.json.gz
-[ "$(stat -c %s /tmp/load-result.json.gz)" -lt 16000000 ] && cp /tmp/load-result.json.gz "$out/load-result.json.gz"
-cp $load/load-timeline.png "$out/" 2>/dev/null
+done
 kill $server; wait $server 2>/dev/null
 sleep 3  # the engine host stops its engines once the server has gone
-grep -E "^personaplex_(tick_duration_seconds|batch_size)_(sum|count)" "$out/metrics.txt"
+tar -czf "$out/$policy-server.tgz" -C "$server_dir" server.log startup.txt
 ls -la "$out"

@@ -19,22 +19,23 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from ..engine_host.launch import ensure_host
+from ..fault_injection import with_fault_injection
+from ..ipc.endpoints import default_run_dir, metrics_dir, server_group_pid
+from ..lockstep.scheduler import EngineCall, FrameFailure, FrameResult
+from ..metrics import Metrics
+from ..protocol.errors import ProtocolError
+from ..protocol.events import capabilities
+from ..settings import Settings
 from .access import AccessPolicy
-from .engine_host.launch import ensure_host
 from .engine_pool import DeviceEngine, EngineFactory, EnginePool
-from .errors import ProtocolError
-from .events import capabilities
-from .fault_injection import with_fault_injection
-from .ipc.endpoints import default_run_dir, metrics_dir, server_group_pid
 from .limits import ClientLimits, Refusal
 from .listeners import ListenerWatch, find_listeners
-from .metrics import Metrics
-from .scheduler import EngineCall, FrameFailure, FrameResult
 from .session import Session
-from .settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -154,18 +155,20 @@ class Services:
             await asyncio.sleep(LISTENER_POLL_S)
         self.drain("the server stopped listening")
 
-    def open_refusal(self, *, at_open: bool = False) -> tuple[ProtocolError, str] | None:
+    def open_refusal(self, *, at_open: bool = False, exclude: Collection[DeviceEngine] = ()
+                     ) -> tuple[ProtocolError, str] | None:
         """Why a new session cannot be placed now, with the reason it is counted under in
         ``connections_refused`` (``full``: also ``sessions_refused``), or None.  ``at_open``:
         for the open itself, where an engine process that looks full to this worker is asked
-        anyway (its admission is global and this worker's view of it a heartbeat old)."""
+        anyway (its admission is global and this worker's view of it a heartbeat old);
+        ``exclude``: engines that refused this open already."""
         if self.draining:
             return ProtocolError("server_shutting_down", "the server is shutting down; connect again (to another "
                                  "replica)", retryable=True), "shutdown"
         unavailable = self.pool.unavailable()
         if unavailable is not None:
             return unavailable, "stalled" if unavailable.code == "engine_stalled" else "unavailable"
-        if self.pool.choose(views_may_lag=at_open) is None:
+        if self.pool.choose(views_may_lag=at_open, exclude=exclude) is None:
             return self.full_error(), "full"
         return None
 
@@ -173,15 +176,15 @@ class Services:
         return ProtocolError("resource_exhausted", f"duplex_session_capacity_exhausted: limit={self.max_sessions}",
                              retryable=True)
 
-    def place_session(self) -> DeviceEngine:
-        """Hold an admission slot for a new session on the engine placement picks; raises
-        ``open_refusal()``'s error (counted in the metrics) when there is none."""
-        refusal = self.open_refusal(at_open=True)
+    def place_session(self, exclude: Collection[DeviceEngine] = ()) -> DeviceEngine:
+        """Hold an admission slot for a new session on the engine placement picks, leaving out
+        ``exclude``; raises ``open_refusal()``'s error (counted in the metrics) when there is none."""
+        refusal = self.open_refusal(at_open=True, exclude=exclude)
         if refusal is not None:
             error, reason = refusal
             self.count_refusal(reason)
             raise error
-        return self.pool.acquire()
+        return self.pool.acquire(exclude)
 
     def count_refusal(self, reason: str) -> None:
         if reason == "full":

@@ -12,11 +12,11 @@ import time
 
 from quart import Quart, Response, jsonify, request, websocket
 
+from ..protocol.errors import ProtocolError
+from ..settings import Settings
 from .access import Caller
 from .connection import Connection
-from .errors import ProtocolError
 from .services import EngineFactory, Services
-from .settings import Settings
 from .web import register_web
 from .ws_drain import DrainAfterClose
 

@@ -45,8 +45,8 @@ import numpy as np
 from engines.config import FRAME_SAMPLES
 from engines.interface import Engine, EngineInfo, FrameOutput, SessionSpec, SlotFault
 
-from .audio import float_to_pcm16
-from .metrics import Metrics
+from ..metrics import Metrics
+from ..protocol.audio import float_to_pcm16
 from .tick_policy import FRAME_PERIOD_S, PacedPolicy, TickState, WindowPolicy
 
 log = logging.getLogger(__name__)

@@ -25,15 +25,15 @@ from typing import Any, Mapping
 
 from engines.interface import EngineError
 
-from . import events as ev
-from . import json_codec
-from .client_events import CLOSE_EVENTS, client_event_id, decode_event
+from ..protocol import events as ev
+from ..protocol import json_codec
+from ..protocol.client_events import CLOSE_EVENTS, client_event_id, decode_event
+from ..protocol.errors import ProtocolError
+from ..protocol.session_config import SessionConfig, parse_session_update, session_payload
 from .engine_pool import DeviceEngine
-from .errors import ProtocolError
 from .limits import EventRate
-from .session import Session
-from .session_config import SessionConfig, parse_session_update, session_payload
 from .services import Services
+from .session import Session
 
 log = logging.getLogger(__name__)
 
@@ -165,27 +165,37 @@ class Connection:
         try:
             config = parse_session_update(session_payload(event), defaults, is_open=False, input_rate_locked=False,
                                           max_instructions_chars=self.settings.max_instructions_chars)
-            engine = self._engine = services.place_session()  # holds an admission slot from here
         except ProtocolError as exc:
             await self._refuse(exc, eid)
             return None
         session_id = ev.new_session_id()
-        try:
-            await services.pool.wait_ready(engine, self.settings.ready_wait_s)
-            await asyncio.wrap_future(engine.open(session_id, config.spec()))
-        except asyncio.CancelledError:
-            # The client left while the slot was being prepared; the open may still complete
-            # in the engine thread, so close by id: that frees whatever was allocated.
-            engine.close(session_id)
-            raise
-        except Exception as exc:  # noqa: BLE001 - a failed open allocated no engine slot
-            engine.cancel_admission()
-            error = _open_error(exc)
-            if error.code == "resource_exhausted":  # an engine process's own admission said no
-                services.count_refusal("full")
-                error = services.full_error()
-            await self._refuse(error, eid)
-            return None
+        refused_by: list[DeviceEngine] = []  # engine processes that turned this open down as full
+        while True:
+            try:
+                engine = self._engine = services.place_session(refused_by)  # holds an admission slot from here
+            except ProtocolError as exc:  # nowhere (else) to go: counted as refused there
+                await self._refuse(exc, eid)
+                return None
+            try:
+                await services.pool.wait_ready(engine, self.settings.ready_wait_s)
+                await asyncio.wrap_future(engine.open(session_id, config.spec()))
+                break
+            except asyncio.CancelledError:
+                # The client left while the slot was being prepared; the open may still complete
+                # in the engine thread, so close by id: that frees whatever was allocated.
+                engine.close(session_id)
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed open allocated no engine slot
+                engine.cancel_admission()
+                error = _open_error(exc)
+                if error.code == "resource_exhausted":
+                    # An engine process's own admission said no: this worker's view of it was a
+                    # heartbeat old.  Another device may still have room.
+                    refused_by.append(engine)
+                    log.info("session %s: %s is full; placing it again", session_id, engine.label)
+                    continue
+                await self._refuse(error, eid)
+                return None
         if not config.model:
             config = dataclasses.replace(config, model=services.model_name)
         session = Session(session_id, config, scheduler=engine.scheduler, settings=self.settings,

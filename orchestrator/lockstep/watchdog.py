@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from .metrics import Metrics
+from ..metrics import Metrics
 from .scheduler import EngineCall, TickScheduler
 
 log = logging.getLogger(__name__)

@@ -25,19 +25,18 @@ import concurrent.futures
 import functools
 import logging
 import os
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from engines.interface import Engine, EngineInfo, SessionSpec
 
+from ..lockstep.scheduler import EngineCall, TickScheduler
+from ..lockstep.watchdog import Watchdog
+from ..metrics import Metrics
+from ..protocol.errors import ProtocolError
+from ..settings import Settings, device_labels
 from .admission import EngineAdmission, SlotPool
 from .engine_link import EngineLink
-from .errors import ProtocolError
-from .metrics import Metrics
-from .scheduler import EngineCall, TickScheduler
-from .settings import Settings
-from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -284,23 +283,25 @@ class EnginePool:
         engine.check_loaded()
 
     # Placement --------------------------------------------------------------------------------
-    def choose(self, *, views_may_lag: bool = False) -> DeviceEngine | None:
+    def choose(self, *, views_may_lag: bool = False, exclude: Collection[DeviceEngine] = ()) -> DeviceEngine | None:
         """The engine a new session would go to now (see the module doc), or None when none
         that can take one has a free slot.  ``views_may_lag``: an engine process's admission
         as this worker last heard it (``EngineAdmission``) may be a heartbeat old, so a
-        serving engine process that looks full is still a candidate: it decides itself."""
+        serving engine process that looks full is still a candidate: it decides itself.
+        ``exclude``: engines that have just refused this open (full after all)."""
+        engines = [e for e in self.engines if e not in exclude]
         for usable in (lambda e: e.serving, lambda e: e.loading):
-            candidates = [e for e in self.engines if usable(e) and e.admission.free > 0]
+            candidates = [e for e in engines if usable(e) and e.admission.free > 0]
             if not candidates and views_may_lag:
-                candidates = [e for e in self.engines if usable(e) and isinstance(e.admission, EngineAdmission)]
+                candidates = [e for e in engines if usable(e) and isinstance(e.admission, EngineAdmission)]
             if candidates:
                 return min(candidates, key=lambda e: (-e.admission.free, e.index))
         return None
 
-    def acquire(self) -> DeviceEngine:
+    def acquire(self, exclude: Collection[DeviceEngine] = ()) -> DeviceEngine:
         """Hold an admission slot on the engine placement picks (the caller has seen one
         there; an engine process's own admission has the last word at its open)."""
-        engine = self.choose(views_may_lag=True)
+        engine = self.choose(views_may_lag=True, exclude=exclude)
         if engine is None or not engine.admission.try_acquire():
             raise RuntimeError("no engine has a free slot")
         return engine
@@ -321,9 +322,3 @@ class EnginePool:
             return str(reason(engines[0]))
         return "; ".join(f"{engine.label}: {reason(engine)}" for engine in engines)
 
-
-def device_labels(devices: list[str]) -> list[str]:
-    """Names for the engines' devices: the device itself, or ``device#index`` for a device
-    that serves more than one engine (``cpu,cpu``), so that every label is unique."""
-    counts = Counter(devices)
-    return [device if counts[device] == 1 else f"{device}#{index}" for index, device in enumerate(devices)]

@@ -14,10 +14,10 @@ from quart import Quart, Response, jsonify, send_from_directory
 
 from engines.config import DEFAULT_PERSONA, DEFAULT_VOICE
 
-from .errors import ProtocolError
+from ..protocol.errors import ProtocolError
 from .services import Services
 
-STATIC_DIR = Path(__file__).resolve().parent / "static"
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 
 # Persona presets offered by the page (free text is always possible).  The default persona
 # is the model's own (what an empty ``instructions`` gets); the others are the reference

@@ -38,8 +38,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from engines.interface import EngineError, EngineInfo, SessionSpec
 
-from .ipc import wire
-from .scheduler import EngineCall, FrameFailure, FrameResult
+from ..ipc import wire
+from ..lockstep.scheduler import EngineCall, FrameFailure, FrameResult
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ class EngineAdmission:
     engine's answer to the open is what counts."""
 
     def __init__(self, link: Any) -> None:
-        self._link = link  # orchestrator.engine_link.EngineLink
+        self._link = link  # orchestrator.frontend.engine_link.EngineLink
 
     @property
     def capacity(self) -> int:

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..settings import Settings, SettingsError, env_name
 from .listeners import Listener, bind_host, is_loopback
-from .settings import Settings, SettingsError, env_name
 
 log = logging.getLogger(__name__)
 

@@ -18,15 +18,15 @@ import numpy as np
 
 from engines.config import FRAME_SAMPLES, SAMPLE_RATE
 
-from . import events as ev
-from . import json_codec
-from .audio import AudioError, InputStream, decode_base64, pcm16_base64, to_float32
-from .client_events import CLOSE_EVENTS, client_event_id, parse_append
-from .errors import ProtocolError
-from .metrics import Metrics
-from .scheduler import FrameFailure, FrameResult, TickScheduler
-from .session_config import SessionConfig, parse_session_update, session_payload
-from .settings import Settings
+from ..lockstep.scheduler import FrameFailure, FrameResult, TickScheduler
+from ..metrics import Metrics
+from ..protocol import events as ev
+from ..protocol import json_codec
+from ..protocol.audio import AudioError, InputStream, decode_base64, pcm16_base64, to_float32
+from ..protocol.client_events import CLOSE_EVENTS, client_event_id, parse_append
+from ..protocol.errors import ProtocolError
+from ..protocol.session_config import SessionConfig, parse_session_update, session_payload
+from ..settings import Settings
 
 FRAME_MS = FRAME_SAMPLES * 1000 // SAMPLE_RATE
 _F32_FRAME_BYTES = FRAME_SAMPLES * 4
