@@ -12,8 +12,9 @@
 # and the busiest threads every 20 s (top-threads.txt); per server, POLICY-server.tgz: its log
 # and start-up time (startup.txt).  Settings: WORKERS (front-end workers, default 4),
 # ENGINE_HOST (process | thread: the old one-process layout), MAX_SESSIONS (default: the
-# largest load), SPREAD_MS (default 80), WAV (default artifacts/input_assistant.wav); wheels
-# the machine lacks go in .whl/.
+# largest load), SPREAD_MS (default 80), WAV (default artifacts/input_assistant.wav), and for a
+# dry run on CPU CHECKPOINT (a directory), DEVICES (cpu), KV_CACHE (auto); wheels the machine
+# lacks go in .whl/.
 set -uo pipefail
 policy=$1
 shift
@@ -32,14 +33,17 @@ fi
 revision=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 server_dir=$(mktemp -d /tmp/server-XXXX)  # a warm machine keeps /tmp: never reuse a directory
-export PERSONAPLEX_CHECKPOINT=random:personaplex-7b PERSONAPLEX_DEVICES=0 PERSONAPLEX_KV_CACHE=fp8 \
-    PERSONAPLEX_MAX_SESSIONS=${MAX_SESSIONS:-$largest} PERSONAPLEX_TICK_POLICY=$policy \
-    PERSONAPLEX_ENGINE_HOST=$engine_host
+export PERSONAPLEX_CHECKPOINT=${CHECKPOINT:-random:personaplex-7b} PERSONAPLEX_DEVICES=${DEVICES:-0} \
+    PERSONAPLEX_KV_CACHE=${KV_CACHE:-fp8} PERSONAPLEX_MAX_SESSIONS=${MAX_SESSIONS:-$largest} \
+    PERSONAPLEX_TICK_POLICY=$policy PERSONAPLEX_ENGINE_HOST=$engine_host
 started=$SECONDS
 python3 -m hypercorn orchestrator:app --bind 127.0.0.1:8000 --workers "$workers" > "$server_dir/server.log" 2>&1 &
 server=$!
 until curl -sf 127.0.0.1:8000/ready >/dev/null; do
     kill -0 $server 2>/dev/null || { echo "server exited"; tail -20 "$server_dir/server.log"; exit 1; }
+    if curl -s 127.0.0.1:8000/ready | grep -q '"reason": *"unavailable"'; then  # the engine failed to load
+        echo "server not ready: the engine failed to load"; tail -20 "$server_dir/server.log"; kill $server; exit 1
+    fi
     [ $((SECONDS - started)) -gt 600 ] && { echo "not ready in 600 s"; kill $server; exit 1; }
     sleep 1
 done
