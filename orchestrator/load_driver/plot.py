@@ -101,7 +101,10 @@ def series_from_load_result(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def plot_load_result(result: dict[str, Any], path: Path) -> Path:
     verdict = "ok" if result["ok"] else "NOT ok"
-    title = f"{result['requested_sessions']} paced sessions, {result['passed_sessions']} passed ({verdict})"
+    # The server's configuration (its tick policy among it) as the driver was told it.
+    server = (result.get("reported_server") or {}).get("hardware") or ""
+    title = (f"{result['requested_sessions']} sessions, {result['passed_sessions']} passed ({verdict})"
+             + (f"; {server}" if server else ""))
     return plot_series(series_from_load_result(result), path, title=title, gate_ms=result.get("max_stream_lag_ms"))
 
 
