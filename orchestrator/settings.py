@@ -83,11 +83,12 @@ class Settings:
     # directory per server under $XDG_RUNTIME_DIR or the temp dir (orchestrator/ipc/endpoints.py).
     run_dir: str | None = None
     # Lockstep scheduler ----------------------------------------------------------------------
-    # When to tick (orchestrator/lockstep/tick_policy.py): "window" ticks once every live session has a
-    # frame or the oldest frame waited batch_window_ms; "paced" at most once per interval that
+    # When to tick (orchestrator/lockstep/tick_policy.py): "paced" at most once per interval that
     # keeps the engine about tick_busy_target busy (batch_window_ms its shortest), unless every
-    # live session has a frame or a frame has waited a whole period.
-    tick_policy: str = "window"
+    # live session has a frame or a frame has waited a whole period; "window" once every live
+    # session has a frame or the oldest frame waited batch_window_ms.  Paced is the default:
+    # the same latency at light load, larger batches under load (docs/PERFORMANCE.md).
+    tick_policy: str = "paced"
     tick_busy_target: float = 0.7
     batch_window_ms: float = 20.0  # window: longest a ready frame waits; paced: shortest interval
     silence_grace_s: float = 3.0  # input stall after which silence is fed; 0 disables it

@@ -1,4 +1,4 @@
-"""The tick policies (orchestrator/tick_policy.py) as pure functions: single decisions, and a
+"""The tick policies (orchestrator/lockstep/tick_policy.py) as pure functions: single decisions, and a
 simulated minute of paced clients at random phases against a tick-cost model (no threads, no
 sleeps, a virtual clock), which shows what each policy does to batch size and engine load."""
 
@@ -130,8 +130,10 @@ def test_light_load_latency_is_the_same_order():
 def test_settings_check_the_policy():
     from orchestrator.settings import Settings, SettingsError
 
+    assert Settings().tick_policy_object() == PacedPolicy(0.02, 0.7)  # the default (docs/PERFORMANCE.md, why)
     assert Settings.from_mapping({"tick_policy": "paced", "tick_busy_target": "0.5"}).tick_policy_object() == \
         PacedPolicy(0.02, 0.5)
+    assert Settings.from_mapping({"tick_policy": "window"}).tick_policy_object() == WindowPolicy(0.02)
     for bad in ({"tick_policy": "greedy"}, {"tick_busy_target": "0"}, {"tick_busy_target": "1.5"}):
         with pytest.raises(SettingsError, match="PERSONAPLEX_TICK"):
             Settings.from_mapping(bad)

@@ -4,23 +4,23 @@ No threads, clocks or sleeps here: the scheduler passes a ``TickState`` and acts
 ``Decision`` (tick now, or look again in ``wait_s`` unless something changes first), so each
 policy is tested alone with plain numbers.
 
-Why it matters: a tick reads every weight once whatever its batch (~3.4 ms at 7B shapes on an
-H200, and ~10 ms of fixed cost per tick in all), so many small ticks serve fewer sessions per
-GPU-second than few large ones.  Real clients send at arbitrary phases of the 80 ms period.
+Why it matters: a tick reads every weight once whatever its batch, and has a fixed cost
+besides, so many small ticks serve fewer sessions per GPU-second than few large ones.  Real
+clients send at arbitrary phases of the 80 ms period.  Measured figures for both policies:
+docs/PERFORMANCE.md.
 
+- ``paced`` (the server's default): tick when every live lane has a frame; otherwise at most
+  once per *interval* after the previous tick took its frames, the interval being the recent
+  tick time over ``busy_target`` (so the engine is busy about that fraction of the time), at
+  least ``min_wait_s`` and at most one frame period.  Under load the batches grow until the
+  ticks fit; a frame that has waited a whole period ticks at once, so a lane that fell behind
+  catches up; one lone session (always "every live lane") ticks the moment its frame arrives.
+  Latency cost: a frame waits up to one interval (half of it on average) for its tick.
 - ``window`` (the first policy): tick as soon as every live lane has a frame, when a frame is
   behind (it was already queued when the previous tick took its frames), or once the oldest
   frame has waited ``min_wait_s``.  With random phases and ticks longer than the window, the
   oldest frame has always waited long enough when a tick ends, so ticks run back to back on
-  whatever arrived meanwhile: measured on an H200 at 128 full-window sessions, ~40 ticks a
-  second of 16-26 sessions where ~12.5 of 128 would do, and the server fell behind.
-- ``paced``: tick when every live lane has a frame; otherwise at most once per *interval*
-  after the previous tick took its frames, the interval being the recent tick time over
-  ``busy_target`` (so the engine is busy about that fraction of the time), at least
-  ``min_wait_s`` and at most one frame period.  Under load the batches grow until the ticks
-  fit; a frame that has waited a whole period ticks at once, so a lane that fell behind
-  catches up; one lone session (always "every live lane") ticks the moment its frame arrives.
-  Latency cost: a frame waits up to one interval (half of it on average) for its tick.
+  whatever arrived meanwhile: the engine stays busy with small batches, leaving no headroom.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FRAME_PERIOD_S = 0.08
-POLICIES = ("window", "paced")
+POLICIES = ("paced", "window")
 
 
 @dataclass(frozen=True)
