@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.orch_support import Server
+from tests.orch_support import SPEECH_WAV, Server
 
 
 @pytest.fixture(scope="session")
@@ -36,10 +35,6 @@ def orch_tuned_server():
 
 
 # Engine fixtures -------------------------------------------------------------------------
-# ../shared/data beside the checkout; PERSONAPLEX_TEST_SPEECH points elsewhere (e.g. on a
-# GPU machine where only the checkout travels).
-SPEECH_WAV = Path(os.environ.get("PERSONAPLEX_TEST_SPEECH")
-                  or Path(__file__).resolve().parents[2] / "shared" / "data" / "input_assistant.wav")
 
 
 @pytest.fixture(scope="session")
@@ -52,8 +47,6 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def speech_wav() -> Path:
-    if not SPEECH_WAV.is_file():
-        pytest.skip(f"real speech sample not found at {SPEECH_WAV}")
     return SPEECH_WAV
 
 

@@ -19,15 +19,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import pytest
 import websockets
 
 from engines.audio_io import read_audio
 
 REPO = Path(__file__).resolve().parents[1]
-# ../shared/data beside the checkout (PERSONAPLEX_TEST_SPEECH overrides, as for the engine tests).
-SPEECH_WAV = Path(os.environ.get("PERSONAPLEX_TEST_SPEECH")
-                  or Path(__file__).resolve().parents[2] / "shared" / "data" / "input_assistant.wav")
+SPEECH_WAV = Path(os.environ.get("PERSONAPLEX_TEST_SPEECH") or REPO / "tests" / "data" / "input_assistant.wav")
 FRAME = 1920
 RATE = 24000
 
@@ -38,9 +35,7 @@ def _speech_pcm() -> np.ndarray:
 
 
 def speech(seconds: float | None = None, offset_s: float = 0.0) -> np.ndarray:
-    """Real speech as float32 at 24 kHz (skips the test if the shared asset is absent)."""
-    if not SPEECH_WAV.is_file():
-        pytest.skip(f"speech asset {SPEECH_WAV} is absent (it lives in ../shared/data beside the repo)")
+    """Real speech as float32 at 24 kHz (tests/data/input_assistant.wav)."""
     pcm = _speech_pcm()
     start = int(offset_s * RATE)
     end = len(pcm) if seconds is None else start + int(seconds * RATE)
@@ -87,9 +82,10 @@ class Server:
     OS; clients always connect through 127.0.0.1."""
 
     def __init__(self, host: str = "127.0.0.1", *, workers: int = 1, launcher: str = "hypercorn",
-                 **settings: Any) -> None:
+                 wait_ready: bool = True, **settings: Any) -> None:
         # ``launcher``: "hypercorn" (python -m hypercorn) or "personaplex" (orchestrator.serve,
-        # hypercorn's command line with a master that replaces a dead worker).
+        # hypercorn's command line with a master that replaces a dead worker).  ``wait_ready``:
+        # return once /ready says 200 (False: once it listens, for servers that never get there).
         env = {k: v for k, v in os.environ.items() if not k.startswith("PERSONAPLEX_") or k == "PERSONAPLEX_CACHE_DIR"}
         env.update({f"PERSONAPLEX_{k.upper()}": str(v) for k, v in settings.items()})
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -117,7 +113,8 @@ class Server:
             raise RuntimeError("server did not start:\n" + self.logs())
         self.http = f"http://127.0.0.1:{self.port}"
         self.ws = f"ws://127.0.0.1:{self.port}"
-        self.wait_ready()
+        if wait_ready:
+            self.wait_ready()
 
     def worker_pids(self) -> list[int]:
         """The pids of the front-end workers (hypercorn's children that answer /ready)."""

@@ -29,8 +29,8 @@ from tests.mimi_oracle import (  # noqa: E402
     oracle_stream_encode,
     tiny_config,
 )
+from tests.orch_support import SPEECH_WAV  # noqa: E402
 
-SPEECH = "/work/shared/data/input_assistant.wav"
 CONTEXT = 8  # latent steps; 4 frames
 FIRST_WRAPPED_FRAME = CONTEXT // 2 - 1  # first frame whose reference window drops a key
 NUM_FRAMES = 48
@@ -38,7 +38,7 @@ NUM_FRAMES = 48
 
 @pytest.fixture(scope="module")
 def speech() -> torch.Tensor:
-    pcm, sample_rate = sphn.read(SPEECH)
+    pcm, sample_rate = sphn.read(str(SPEECH_WAV))
     assert sample_rate == 24000 and pcm.shape[0] == 1
     return torch.from_numpy(pcm[0]).float()
 

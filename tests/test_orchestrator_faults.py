@@ -36,7 +36,8 @@ def _assert_only_injected_failures(log: str) -> None:
     """Every error the server logged comes from an injected fault or its consequences."""
     expected = ("engine.step failed", "restart_slot(", "watchdog:", "injected")
     errors = [line for line in log.splitlines() if " ERROR " in line]
-    assert errors, "the faults left no trace in the log"
+    if " opened on " in log:  # some fault test ran (none would have, were they all skipped)
+        assert errors, "the faults left no trace in the log"
     unexplained = [line for line in errors if not any(word in line for word in expected)]
     assert not unexplained, unexplained
     raised = re.findall(r"^(\w[\w.]*(?:Error|Fault|Exception)): (.*)$", log, re.MULTILINE)

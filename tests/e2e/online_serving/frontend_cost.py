@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, nargs="+", default=[8, 16], metavar="N",
                         help="session counts to measure, one server start each (default: 8 16)")
     parser.add_argument("--frames", type=int, default=500, metavar="F", help="80 ms frames per session (default: 500)")
-    parser.add_argument("--input-wav", type=Path, default=REPO.parent / "shared" / "data" / "input_assistant.wav")
+    parser.add_argument("--input-wav", type=Path, default=REPO / "tests" / "data" / "input_assistant.wav")
     parser.add_argument("--ready-timeout-s", type=float, default=300.0)
     parser.add_argument("--output", type=Path, help="write the figures as JSON here too")
     args = parser.parse_args(argv)

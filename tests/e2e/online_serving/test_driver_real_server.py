@@ -37,8 +37,6 @@ def _explain(result: dict) -> str:
 
 @pytest.mark.parametrize("sessions", [1, 2])
 def test_paced_load_against_the_real_server(e2e_duplex_server, tmp_path, sessions):
-    if not SPEECH_WAV.is_file():
-        pytest.skip(f"speech asset {SPEECH_WAV} is absent")
     e2e_duplex_server.wait_free_slots(2)
     code = _driver(e2e_duplex_server, tmp_path, "--input-wav", str(SPEECH_WAV), "--sessions", str(sessions),
                    "--load-frames", str(LOAD_FRAMES), "--drain-s", str(LOAD_DRAIN_S), "--server-revision", "test",
@@ -74,7 +72,7 @@ def test_paced_load_against_the_real_server(e2e_duplex_server, tmp_path, session
 
 
 def test_lifecycle_against_the_real_server(e2e_duplex_server, tmp_path):
-    clip = speech(0.8, offset_s=1.0)  # skips when the asset is absent
+    clip = speech(0.8, offset_s=1.0)
     wav_path = tmp_path / "clip.wav"
     with wave.open(str(wav_path), "wb") as wav:
         wav.setnchannels(1)
@@ -90,6 +88,7 @@ def test_lifecycle_against_the_real_server(e2e_duplex_server, tmp_path):
     assert result["overflow_error_code"] == "resource_exhausted" and result["errors"] == []
     caps = result["capabilities"]
     assert caps["implementation_level"] == "model_native_duplex" and caps["chunk_period_ms"] == 80
+    assert caps["max_sessions"] == 2 and result["admission_limit"] == 2  # advertised, and taken from there
     frames = 15  # 0.8 s of speech + 0.4 s tail
     assert result["primary"]["input_frames"] == frames
     assert result["secondary"]["input_frames"] == frames + 6
