@@ -23,17 +23,11 @@ from typing import Callable, Iterable
 
 import torch
 
-from .config import ConfigError, LMConfig, MimiConfig
+from .config import (CONFIG_FILE, LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE, VOICES_DIR, ConfigError,
+                     LMConfig, MimiConfig)
 from .errors import CheckpointError
 
 log = logging.getLogger(__name__)
-
-LM_FILE = "model.safetensors"
-MIMI_FILE = "tokenizer-e351c8d8-checkpoint125.safetensors"
-TOKENIZER_FILE = "tokenizer_spm_32k_3.model"
-VOICES_DIR = "voices"
-VOICES_ARCHIVE = "voices.tgz"
-CONFIG_FILE = "config.json"
 
 
 @dataclass(frozen=True)

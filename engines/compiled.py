@@ -8,9 +8,13 @@ path stays eager.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
+
+from .config import default_cache_dir
 
 F = TypeVar("F", bound=Callable)
 
@@ -20,9 +24,30 @@ F = TypeVar("F", bound=Callable)
 COMPILED_VARIANTS = 64
 
 
+def use_persistent_caches(root: str | Path | None = None) -> Path:
+    """Keep torch.compile's on-disk caches (Inductor's FX graphs, AOTAutograd entries and
+    autotuning results; Triton's compiled kernels) under ``root`` (default: the project's
+    cache directory, ``compile/`` in it) instead of Inductor's default under /tmp, which a
+    container loses: a restart then finds every compiled piece of the tick.  An operator's
+    own ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` win.  Both are read when a
+    compilation happens, so this has to run before the first one."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
+
+    base = Path(root) if root is not None else default_cache_dir() / "compile"
+    # Importing torch._dynamo writes Inductor's default into the environment: that value is
+    # Inductor's, not the operator's.
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(inductor_default()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / "inductor")
+    os.environ.setdefault("TRITON_CACHE_DIR", str(base / "triton"))
+    return base
+
+
 def compile_dynamic(fn: F, fullgraph: bool = True) -> F:
-    """``fn`` compiled with dynamic shapes (and, with ``fullgraph``, no graph breaks)."""
+    """``fn`` compiled with dynamic shapes (and, with ``fullgraph``, no graph breaks), its
+    compilations cached where a restart finds them (``use_persistent_caches``)."""
     import torch._dynamo.config as dynamo_config
 
+    use_persistent_caches()
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, COMPILED_VARIANTS)
     return torch.compile(fn, dynamic=True, fullgraph=fullgraph)

@@ -11,7 +11,9 @@ being silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 # Token constants of the PersonaPlex/Moshi stream layout (spec/model.md 1.2, 4.3).
@@ -30,6 +32,27 @@ DEFAULT_VOICE = "NATF2.pt"
 KV_CACHE_MODES = ("auto", "fp8")
 # torch.compile of the GPU pieces: on, off, or on for CUDA devices only.
 COMPILE_MODES = ("auto", "on", "off")
+
+# The files of a checkpoint directory (nvidia/personaplex-7b-v1's names; Kyutai's config.json
+# may name others: engines/checkpoint.py).
+LM_FILE = "model.safetensors"
+MIMI_FILE = "tokenizer-e351c8d8-checkpoint125.safetensors"
+TOKENIZER_FILE = "tokenizer_spm_32k_3.model"
+VOICES_DIR = "voices"
+VOICES_ARCHIVE = "voices.tgz"
+CONFIG_FILE = "config.json"
+
+
+
+def default_cache_dir() -> Path:
+    """The project's cache directory: ``PERSONAPLEX_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/personaplex-serve`` (``~/.cache/personaplex-serve``).  It holds the
+    embedded tiny checkpoint and the compile caches (``engines/compiled.py``)."""
+    base = os.environ.get("PERSONAPLEX_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "personaplex-serve"
+    )
+    return Path(base)
+
 
 SAMPLE_RATE = 24000
 FRAME_RATE = 12.5

@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from . import progress
 from .checkpoint import CheckpointFiles, SafetensorsReader, load_lm_tensors
 from .compiled import compile_dynamic
 from .config import FRAME_SAMPLES, KV_CACHE_MODES
@@ -194,12 +195,14 @@ class PersonaPlexEngine:
         cfg = files.lm_config
         lm = MoshiLM(cfg, options.depformer_steps)
         log.info("loading LM weights from %s", files.lm_weights)
+        progress.report(progress.WEIGHTS, files.lm_weights.name)
         reader = SafetensorsReader(files.lm_weights)
         tensors = load_lm_tensors(reader, cfg, options.depformer_steps,
                                   convert=lambda t: t.to(device=device, dtype=lm_dtype))
         lm.load_state_dict(tensors, strict=True, assign=True)
         lm.eval()
         log.info("loading Mimi weights from %s", files.mimi_weights)
+        progress.report(progress.WEIGHTS, files.mimi_weights.name)
         mimi_state = SafetensorsReader(files.mimi_weights).state_dict()
         mimi = MimiCodec.from_state_dict(files.mimi_config, mimi_state, num_slots + 1,
                                          window=options.window, device=device)

@@ -27,11 +27,14 @@ def create_torch_engine(
 ):
     """The PyTorch engine for ``checkpoint`` (``None``: the embedded tiny demo model).
 
-    ``locate_overrides`` are explicit file paths (``lm_weights``, ``mimi_weights``,
-    ``tokenizer``, ``voices_dir``) that take precedence over the directory's files.
+    ``checkpoint`` is a directory or a Hugging Face repo id (``owner/name[@revision]``,
+    downloaded into the standard cache: ``engines/hub.py``).  ``locate_overrides`` are
+    explicit file paths (``lm_weights``, ``mimi_weights``, ``tokenizer``, ``voices_dir``)
+    that take precedence over the directory's files.
     """
     from . import checkpoint as ckpt
     from .engine import EngineOptions, PersonaPlexEngine
+    from .hub import resolve_checkpoint
     from .tiny import ensure_tiny_checkpoint
 
     is_demo = checkpoint is None and not locate_overrides.get("lm_weights")
@@ -39,7 +42,7 @@ def create_torch_engine(
         checkpoint = ensure_tiny_checkpoint()
         # The server and the CLIs each say how to point at real weights in their own terms.
         log.info("using the embedded tiny demo checkpoint (untrained) at %s", checkpoint)
-    files = ckpt.locate(checkpoint, **locate_overrides)
+    files = ckpt.locate(resolve_checkpoint(checkpoint), **locate_overrides)
     options = EngineOptions(device=device, window=window, depformer_steps=depformer_steps, kv_cache=kv_cache,
                             compile=_compile_enabled(compile, device))
     return PersonaPlexEngine.from_files(files, max_slots, options, is_demo=is_demo)
@@ -77,27 +80,39 @@ def create_engine(
     window: str = WindowMode.REFERENCE,
     kv_cache: str = "auto",
     compile: str = "auto",
+    voice_dir: str | Path | None = None,
 ) -> Engine:
-    """Load ``checkpoint`` (a local checkpoint directory) into an engine with ``max_slots``
-    session slots.  ``None`` selects the embedded default: the deterministic tiny demo
-    checkpoint, generated once into a cache directory; ``random:<model>`` random weights at
-    that model's shapes (``engines/random_weights.py``).
+    """Load ``checkpoint`` (a local checkpoint directory, or a Hugging Face repo id) into an
+    engine with ``max_slots`` session slots.  ``None`` selects the embedded default: the
+    deterministic tiny demo checkpoint, generated once into a cache directory;
+    ``random:<model>`` random weights at that model's shapes (``engines/random_weights.py``).
+    ``voice_dir``: more voices, served ahead of the checkpoint's (every file checked now).
 
     On CUDA the calling thread's current device becomes ``device``: drive the engine from
     this thread."""
     _bind_thread_to(device)
+    if device.startswith("cuda"):  # compiled pieces and Triton kernels: keep them for the next start
+        from .compiled import use_persistent_caches
+
+        use_persistent_caches()
     random_model = random_model_name(checkpoint)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     if random_model is not None:
         if backend != "torch":
             raise ValueError(f"random weights ({checkpoint}) need the torch backend, not {backend!r}")
-        return create_random_engine(random_model, max_slots=max_slots, device=device, window=window,
-                                    kv_cache=kv_cache, compile=_compile_enabled(compile, device))
-    if backend == "torch":
-        return create_torch_engine(checkpoint, max_slots=max_slots, device=device, window=window, kv_cache=kv_cache,
-                                   compile=compile)
-    if backend == "trtllm":
+        engine = create_random_engine(random_model, max_slots=max_slots, device=device, window=window,
+                                      kv_cache=kv_cache, compile=_compile_enabled(compile, device))
+    elif backend == "torch":
+        engine = create_torch_engine(checkpoint, max_slots=max_slots, device=device, window=window,
+                                     kv_cache=kv_cache, compile=compile)
+    else:
         # ``checkpoint`` is then a build directory written by convert_checkpoint.py.
         from .trtllm import create_trtllm_engine
 
-        return create_trtllm_engine(checkpoint, max_slots=max_slots, device=device, window=window, kv_cache=kv_cache)
-    raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+        engine = create_trtllm_engine(checkpoint, max_slots=max_slots, device=device, window=window,
+                                      kv_cache=kv_cache)
+    if voice_dir is not None:
+        names = engine.voice_store.add_directory(voice_dir)
+        log.info("serving %d voice(s) from %s: %s", len(names), voice_dir, ", ".join(names) or "none")
+    return engine

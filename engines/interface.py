@@ -12,11 +12,14 @@ of 1920 samples; format conversion and resampling happen in the orchestrator.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
 from .config import DEFAULT_PERSONA, DEFAULT_VOICE, FRAME_SAMPLES, SAMPLE_RATE
+
+if TYPE_CHECKING:  # voices.py needs torch; this module stays importable without it
+    from .voices import VoiceStore
 
 
 class EngineError(Exception):
@@ -119,6 +122,7 @@ class EngineInfo:
 
 class Engine(Protocol):
     info: EngineInfo
+    voice_store: VoiceStore  # the voices it serves (the factory adds an operator's directory)
 
     def voices(self) -> list[str]:
         """Names of the voices a session may ask for (e.g. ``"NATF2.pt"``)."""

@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m engines.offline",
         description="Offline PersonaPlex inference: feed a WAV as the user's audio, write the "
-        "model's speech (WAV, same length) and its per-frame text (JSON). Same flags as the "
-        "reference `python -m moshi.offline`, plus --checkpoint for a local checkpoint directory.",
+        "model's speech (WAV, same length) and its per-frame text (JSON). The flags of the "
+        "reference `python -m moshi.offline` (--cpu-offload excepted), plus --checkpoint for a local "
+        "checkpoint directory.",
     )
     p.add_argument("--input-wav", required=True, help="user audio (any sample rate; first channel used)")
     p.add_argument("--output-wav", required=True, help="where to write the model's audio (24 kHz mono WAV)")
@@ -43,7 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="voice prompt: a .pt name from the voice directory or checkpoint (default NATF2.pt), "
                    "or a path to a .wav recording to build a voice from")
     p.add_argument("--voice-prompt-dir", help="directory holding voice .pt files (default: the checkpoint's voices/ or voices.tgz)")
-    p.add_argument("--checkpoint", help="local checkpoint directory (PersonaPlex or Kyutai Moshi layout)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", help="local checkpoint directory (PersonaPlex or Kyutai Moshi layout), or a "
+                        "Hugging Face repo id")
+    source.add_argument("--hf-repo", metavar="REPO[@REVISION]",
+                        help="Hugging Face repo to load from, e.g. nvidia/personaplex-7b-v1 (gated: accept its "
+                        "licence and set HF_TOKEN); only the needed files are downloaded, into the standard cache")
     p.add_argument("--tokenizer", help="path to the SentencePiece text tokenizer (overrides the checkpoint's)")
     p.add_argument("--moshi-weight", help="path to the LM safetensors (overrides the checkpoint's)")
     p.add_argument("--mimi-weight", help="path to the Mimi safetensors (overrides the checkpoint's)")
@@ -60,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depformer-steps", type=int, choices=(8, 16), default=8,
                    help="depformer steps per frame: 8 agent codebooks (default) or the reference's 16")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="the reference's layer offloading to the CPU: NOT supported here (the run stops with a "
+                   "message); the bf16 7B model needs ~17 GB of GPU memory, or run on --device cpu")
     return p
 
 
@@ -77,6 +86,9 @@ def run(args: argparse.Namespace) -> None:
     from .factory import create_torch_engine
     from .voice_builder import build_voice_prompt
 
+    if args.cpu_offload:
+        raise ValueError("--cpu-offload is not supported by this implementation: use a GPU with ~17 GB free for "
+                         "the bf16 7B model, or --device cpu (slow)")
     for flag in ("output_wav", "output_text"):
         parent = Path(getattr(args, flag)).resolve().parent
         if not parent.is_dir():
@@ -95,10 +107,11 @@ def run(args: argparse.Namespace) -> None:
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
     user_pcm = read_audio(args.input_wav)
-    if args.checkpoint is None and args.moshi_weight is None:
+    checkpoint = args.hf_repo or args.checkpoint
+    if checkpoint is None and args.moshi_weight is None:
         log.warning("no --checkpoint given: using the embedded tiny demo model, which is UNTRAINED "
-                    "(its speech is noise); pass --checkpoint DIR of a downloaded nvidia/personaplex-7b-v1")
-    engine = create_torch_engine(args.checkpoint, max_slots=1, device=device,
+                    "(its speech is noise); pass --hf-repo nvidia/personaplex-7b-v1 (or --checkpoint DIR)")
+    engine = create_torch_engine(checkpoint, max_slots=1, device=device,
                                  window=args.window, depformer_steps=args.depformer_steps, **overrides)
     if voice_wav:
         data = build_voice_prompt(engine, read_audio(voice))

@@ -43,6 +43,7 @@ def create_random_engine(name: str, *, max_slots: int, device: str, window: str,
                          compile: bool) -> Any:
     """A ``PersonaPlexEngine`` with random weights at ``name``'s shapes (see the module doc)."""
     from . import checkpoint as ckpt
+    from . import progress
     from .bench import build_random_engine
     from .config import LMConfig, MimiConfig
     from .tiny import TINY_LM, TINY_MIMI, TINY_VOICES, ensure_tiny_checkpoint
@@ -51,6 +52,7 @@ def create_random_engine(name: str, *, max_slots: int, device: str, window: str,
     log.warning("RANDOM WEIGHTS: building %s%s on %s with random weights at %s shapes; its speech is noise "
                 "(for capacity and latency measurements only)", RANDOM_PREFIX, name, device, name)
     tokenizer = ensure_tiny_checkpoint() / ckpt.TOKENIZER_FILE
+    progress.report(progress.WEIGHTS, f"random weights at {name} shapes")
     return build_random_engine(max_slots, device, tokenizer, lm_cfg=lm_cfg, mimi_cfg=mimi_cfg, kv_cache=kv_cache,
                                compile=compile, window=window, voice_names=tuple(TINY_VOICES),
                                model_name=f"random-{name}", is_demo=True)

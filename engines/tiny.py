@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import checkpoint as ckpt
-from .config import LMConfig, MimiConfig, MimiTransformerConfig, QuantizerConfig, SeanetConfig
+from .config import LMConfig, MimiConfig, MimiTransformerConfig, QuantizerConfig, SeanetConfig, default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -263,13 +263,6 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     voices = {name: build_voice_prompt(engine, synthetic_voice(f0)) for name, f0 in TINY_VOICES.items()}
     _write_voices_archive(out / ckpt.VOICES_ARCHIVE, voices)
     return out
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("PERSONAPLEX_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "personaplex-serve"
-    )
-    return Path(base)
 
 
 def ensure_tiny_checkpoint(cache_dir: str | Path | None = None) -> Path:

@@ -4,7 +4,8 @@ A voice ``.pt`` is a ``torch.save``d dict with
 - ``embeddings``: [N-1, 1, 1, D] summed input embeddings of the voice-prompt run (one row
   per model call; the first of the N voice frames never reaches the model);
 - ``cache``: [1, 17, 4] the delayed-token ring at the end of that run.
-Lookup order for a name: ``<voices dir>/<name>``, ``<checkpoint>/<name>``, then the member
+Lookup order for a name: an operator's voice directory (``add_directory``, e.g.
+``PERSONAPLEX_VOICE_DIR``), ``<voices dir>/<name>``, ``<checkpoint>/<name>``, then the member
 of ``voices.tgz`` with that basename (the archive is read once).
 """
 
@@ -85,6 +86,7 @@ class VoiceStore:
     """Voices of one checkpoint, loaded on demand and kept (they are small)."""
 
     def __init__(self, voices_dir: Path | None, root: Path | None, archive: Path | None, dim: int, num_streams: int) -> None:
+        self.operator_dirs: list[Path] = []  # searched first (add_directory)
         self.voices_dir = voices_dir
         self.root = root
         self.archive = archive
@@ -112,10 +114,39 @@ class VoiceStore:
             self._archive_members = members
         return self._archive_members
 
+    def add_directory(self, directory: str | Path) -> list[str]:
+        """Serve the ``.pt`` voices of ``directory`` too, ahead of the checkpoint's own (a
+        name in both is this directory's).  Every file is read and checked now, so a bad one
+        is one ``CheckpointError`` naming it, at start-up rather than at a session's open.
+        Returns the names found."""
+        directory = Path(directory).expanduser()
+        if not directory.is_dir():
+            raise CheckpointError(f"voice directory {directory} does not exist or is not a directory")
+        names = sorted(p.name for p in directory.glob("*.pt") if p.is_file())
+        for name in names:
+            source = str(directory / name)
+            try:
+                check_voice_name(name)
+                data = torch.load(directory / name, map_location="cpu", weights_only=True)
+            except Exception as exc:  # unpickling errors come in many types
+                raise CheckpointError(f"voice file {source} cannot be read: {exc}") from exc
+            parse_voice_file(data, self.dim, self.num_streams, source)  # CheckpointError naming it
+        shadowed = sorted(set(names) & set(self.names()))
+        if shadowed:
+            log.warning("voices in %s replace the checkpoint's of the same name: %s", directory, ", ".join(shadowed))
+        self.operator_dirs.insert(0, directory)
+        with self._lock:
+            for name in names:
+                self._loaded.pop(name, None)
+        return names
+
+    def _directories(self) -> list[Path]:
+        return [d for d in (*self.operator_dirs, self.voices_dir, self.root) if d is not None]
+
     def names(self) -> list[str]:
         found: set[str] = set()
-        for d in (self.voices_dir, self.root):
-            if d is not None and d.is_dir():
+        for d in self._directories():
+            if d.is_dir():
                 found.update(p.name for p in d.glob("*.pt"))
         found.update(self._archive())
         found.update(self._registered)
@@ -154,8 +185,8 @@ class VoiceStore:
             self._registered.add(name)
 
     def _read(self, name: str) -> tuple[bytes, str]:
-        for d in (self.voices_dir, self.root):
-            if d is not None and (d / name).is_file():
+        for d in self._directories():
+            if (d / name).is_file():
                 return (d / name).read_bytes(), str(d / name)
         members = self._archive()
         if name in members:

@@ -30,7 +30,7 @@ class _AppOnDemand:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if self._app is None:
-            self._app = create_app()
+            self._app = create_app(exit_on_start_failure=True)
         await self._app(scope, receive, send)
 
 

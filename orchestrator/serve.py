@@ -1,5 +1,5 @@
-"""``python -m orchestrator.serve orchestrator:app --workers K ...``: hypercorn's command line
-with a master that keeps the server up when one worker dies.
+"""``personaplex-serve --workers K ...`` (``python -m orchestrator.serve [orchestrator:app] ...``):
+hypercorn's command line with a master that keeps the server up when one worker dies.
 
 hypercorn's own master (``hypercorn --workers K``) stops every worker as soon as one exits
 with an error, so one crashed worker ends every session of the server.  This master takes
@@ -10,9 +10,13 @@ the same arguments (it is hypercorn's parser; only the supervision differs) and:
 - replaces a worker that exits while the server is serving (after a pause that grows while
   workers keep dying within ``QUICK_DEATH_S`` of their start): the engine processes free
   the dead worker's sessions, and the other workers' sessions are not touched;
-- stops with exit status 1 when a worker exits with an error during start-up (within
-  ``QUICK_DEATH_S`` of the start, before any worker has lived that long: bad settings, no
-  GPU), where hypercorn's own master may report 0; a worker killed by a signal is replaced;
+- checks the settings before it starts anything, and listens before it starts workers: a
+  bad setting or a port in use is one line and exit status 3 (``START_FAILED_EXIT``);
+- stops with exit status 3 when a worker reports a failed start-up (its one line is already
+  logged: no CUDA, an engine host that cannot start), and with 1 when a worker exits with
+  another error during start-up (within ``QUICK_DEATH_S`` of the start, before any worker has
+  lived that long), where hypercorn's own master reports 0; a worker killed by a signal is
+  replaced;
 - on SIGTERM or SIGINT tells every worker to shut down gracefully (each drains its
   sessions) and waits for all of them.
 
@@ -29,7 +33,12 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
+from .frontend.start_failure import START_FAILED_EXIT
+from .settings import Settings, SettingsError
+
 log = logging.getLogger("orchestrator.serve")
+
+DEFAULT_APP = "orchestrator:app"
 
 QUICK_DEATH_S = 10.0
 MAX_BACKOFF_S = 10.0
@@ -43,7 +52,12 @@ def supervise(config: Any) -> int:
         raise SystemExit(f"orchestrator.serve: worker class {config.worker_class!r} is not supported "
                          "(asyncio or uvloop)")
     target = uvloop_worker if config.worker_class == "uvloop" else asyncio_worker
-    sockets = config.create_sockets()
+    try:
+        sockets = config.create_sockets()
+    except OSError as exc:
+        log.error("cannot start: cannot listen on %s: %s (is another server using it? choose another with "
+                  "--bind HOST:PORT)", ", ".join(config.bind), exc.strerror or exc)
+        return START_FAILED_EXIT
     context = multiprocessing.get_context("spawn")
     shutdown = context.Event()
     stopping: list[int] = []
@@ -80,10 +94,15 @@ def supervise(config: Any) -> int:
             if shutdown.is_set():
                 exitcode = exitcode or (process.exitcode if process.exitcode and process.exitcode > 0 else 0)
                 continue
+            if process.exitcode == START_FAILED_EXIT and not served:
+                # It said why in one line (frontend/start_failure.py); the others would too.
+                shutdown.set()
+                exitcode = START_FAILED_EXIT
+                continue
             if not served and now - began < QUICK_DEATH_S and (process.exitcode or 0) > 0:
                 # It raised before the server had been up for long (a signal is another
-                # matter: a kill, an OOM): start-up failed (bad settings, no GPU); starting it
-                # again would fail the same way.
+                # matter: a kill, an OOM): start-up failed; starting it again would fail the
+                # same way.
                 log.error("worker %d failed at start-up (exit code %s); stopping the server (see the error above)",
                           process.pid, process.exitcode)
                 shutdown.set()
@@ -106,12 +125,23 @@ def supervise(config: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """hypercorn's command line; the application defaults to ``orchestrator:app`` when the
+    arguments begin with an option (``personaplex-serve --bind 127.0.0.1:8000``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help", "--version")):
+        args.insert(0, DEFAULT_APP)
+    # The settings are the server's: one that is wrong fails here, before any worker starts.
+    try:
+        Settings.from_env()
+    except SettingsError as exc:
+        log.error("cannot start: %s", exc)
+        return START_FAILED_EXIT
     import hypercorn.__main__ as hypercorn_cli
 
     # hypercorn's parser builds the Config and hands it to ``run``: ours supervises instead.
     hypercorn_cli.run = supervise
-    return hypercorn_cli.main(sys.argv[1:] if argv is None else argv)
+    return hypercorn_cli.main(args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any, Mapping
 import tomllib
 
 from engines.config import COMPILE_MODES, KV_CACHE_MODES
+from engines.hub import DEFAULT_REPO, parse_repo_ref
 from engines.random_weights import RANDOM_MODEL_BYTES, random_model_name
 
 from .lockstep.tick_policy import POLICIES, PacedPolicy, WindowPolicy, make_policy
@@ -46,16 +48,27 @@ ENGINE_HOSTS = ("process", "thread")
 REFUSE_WHEN_FULL_MODES = ("event", "http")
 
 
-class SettingsError(ValueError):
+class StartupError(Exception):
+    """The server cannot start as configured or on this machine.  Its message is the one line
+    an operator sees (what is wrong, which setting, how to fix it); start-up then ends with a
+    nonzero exit status (``orchestrator/frontend/start_failure.py``)."""
+
+
+class SettingsError(StartupError, ValueError):
     """A configuration value is missing, malformed or out of range."""
 
 
 @dataclass(frozen=True)
 class Settings:
     # Model ---------------------------------------------------------------------------------
-    # Checkpoint directory; None = the embedded tiny demo model; "random:personaplex-7b" =
-    # random weights at the 7B shapes (capacity measurements, engines/random_weights.py).
+    # Checkpoint directory, or a Hugging Face repo id "owner/name[@revision]" (downloaded into
+    # the standard cache on first use: HF_TOKEN, HF_HUB_OFFLINE; engines/hub.py); None = the
+    # embedded tiny demo model; "random:personaplex-7b" = random weights at the 7B shapes
+    # (capacity measurements, engines/random_weights.py).
     checkpoint: str | None = None
+    # A directory of voice .pt files (python -m engines.voice_builder writes them) served beside
+    # the checkpoint's own; a name in both is this directory's.  Every file is checked at start.
+    voice_dir: str | None = None
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N"
     # One engine per listed device, e.g. "0,1", "cuda:0,cuda:1", "all" (every visible GPU) or
     # "cpu,cpu" (testing); empty = the one engine of ``device``.  See resolved_devices().
@@ -158,7 +171,7 @@ class Settings:
                                 f"got {self.tick_policy!r}")
         if not 0 < self.tick_busy_target <= 1:
             raise SettingsError(f"{env_name('tick_busy_target')} must be in (0, 1], got {self.tick_busy_target!r}")
-        if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
+        if not (self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise SettingsError(f"{env_name('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.devices:
             parse_devices(self.devices)
@@ -181,8 +194,13 @@ class Settings:
             if self.backend != "torch":
                 raise SettingsError(f"{env_name('checkpoint')}={self.checkpoint} (random weights) needs "
                                     f"{env_name('backend')}=torch")
-        elif self.checkpoint is not None and not Path(self.checkpoint).is_dir():
-            raise SettingsError(f"{env_name('checkpoint')}={self.checkpoint!r} is not a directory")
+        elif self.checkpoint is not None and not Path(self.checkpoint).expanduser().is_dir():
+            if self.backend == "trtllm":
+                raise SettingsError(f"{env_name('checkpoint')}={self.checkpoint!r} is not a directory (a build "
+                                    "directory written by convert_checkpoint.py)")
+            if parse_repo_ref(self.checkpoint) is None:
+                raise SettingsError(f"{env_name('checkpoint')}={self.checkpoint!r} is neither a directory nor a "
+                                    f"Hugging Face repo id (owner/name[@revision], e.g. {DEFAULT_REPO})")
 
     def _check_reliability(self, positive: Any) -> None:
         """Access-control and fault settings (kept apart: one job per block)."""
@@ -196,8 +214,16 @@ class Settings:
         if self.refuse_when_full not in REFUSE_WHEN_FULL_MODES:
             raise SettingsError(f"{env_name('refuse_when_full')} must be one of {', '.join(REFUSE_WHEN_FULL_MODES)}, "
                                 f"got {self.refuse_when_full!r}")
+        if self.voice_dir is not None and not Path(self.voice_dir).expanduser().is_dir():
+            raise SettingsError(f"{env_name('voice_dir')}={self.voice_dir!r} is not a directory")
         if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
             raise SettingsError(f"{env_name('api_keys_file')}={self.api_keys_file!r} is not a file")
+
+    def engine_kwargs(self, device: str) -> dict[str, Any]:
+        """What ``engines.factory.create_engine`` takes, besides the checkpoint, for the
+        engine of ``device``."""
+        return dict(max_slots=self.resolved_max_sessions(device), device=device, backend=self.backend,
+                    window=self.window, kv_cache=self.kv_cache, compile=self.compile, voice_dir=self.voice_dir)
 
     def tick_policy_object(self) -> WindowPolicy | PacedPolicy:
         """The scheduler's tick policy, as these settings configure it."""
@@ -241,11 +267,21 @@ class Settings:
 
     # Derived values ---------------------------------------------------------------------------
     def resolved_device(self) -> str:
-        if self.device != "auto":
+        if self.device == "cpu":
             return self.device
         import torch  # only to probe for a GPU; the server itself never touches tensors
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if not torch.cuda.is_available():
+            raise SettingsError(f"{env_name('device')}={self.device} but CUDA is not available here ({_no_cuda_why()}); "
+                                f"set {env_name('device')}=cpu, or auto to use a GPU when there is one")
+        visible = torch.cuda.device_count()
+        index = int(self.device.split(":")[1]) if ":" in self.device else 0
+        if index >= visible:
+            raise SettingsError(f"{env_name('device')}={self.device} but {visible} CUDA device(s) are visible "
+                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        return self.device
 
     def resolved_devices(self) -> list[str]:
         """The devices to run one engine each on: ``devices`` resolved against the visible
@@ -260,7 +296,7 @@ class Settings:
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if wanted == ["all"]:
             if visible == 0:
-                raise SettingsError(f"{env_name('devices')}=all but no CUDA device is visible")
+                raise SettingsError(f"{env_name('devices')}=all but no CUDA device is visible ({_no_cuda_why()})")
             return [f"cuda:{i}" for i in range(visible)]
         for device in wanted:
             if device.startswith("cuda") and int(device.split(":")[1]) >= visible:
@@ -396,3 +432,13 @@ def device_labels(devices: list[str]) -> list[str]:
     that serves more than one engine (``cpu,cpu``), so that every label is unique."""
     counts = Counter(devices)
     return [device if counts[device] == 1 else f"{device}#{index}" for index, device in enumerate(devices)]
+
+
+def _no_cuda_why() -> str:
+    """Why torch sees no GPU, in the words an operator can act on."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"this torch {torch.__version__} is built without CUDA"
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no GPU; "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}")

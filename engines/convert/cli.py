@@ -30,9 +30,10 @@ A directory holding anything else is left alone unless --force is given.
 """
 
 EPILOG = """\
-example:
-  python convert_checkpoint.py --model-dir ~/models/personaplex-7b-v1 --output-dir build/pp7b \\
+example (needs pip install -e '.[convert]' for the ONNX steps, or --skip-onnx):
+  python convert_checkpoint.py --hf-repo nvidia/personaplex-7b-v1 --output-dir build/pp7b \\
       --dtype bfloat16 --kv-cache-dtype fp8 --max-sessions 64
+  (or --model-dir DIR for a checkpoint already on disk)
   then run the commands in build/pp7b/README.md and serve with
   PERSONAPLEX_BACKEND=trtllm PERSONAPLEX_CHECKPOINT=build/pp7b hypercorn orchestrator:app
 """
@@ -56,9 +57,13 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="convert_checkpoint.py", description=DESCRIPTION, epilog=EPILOG,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", required=True, type=Path,
-                   help="checkpoint directory: model.safetensors, the Mimi tokenizer-*.safetensors, "
-                        "tokenizer_spm_32k_3.model, voices/ or voices.tgz (a Kyutai config.json is honoured)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model-dir", type=Path,
+                        help="checkpoint directory: model.safetensors, the Mimi tokenizer-*.safetensors, "
+                             "tokenizer_spm_32k_3.model, voices/ or voices.tgz (a Kyutai config.json is honoured)")
+    source.add_argument("--hf-repo", metavar="REPO[@REVISION]",
+                        help="Hugging Face repo to convert, e.g. nvidia/personaplex-7b-v1 (gated: accept its licence "
+                             "and set HF_TOKEN); only the needed files are downloaded, into the standard cache")
     p.add_argument("--output-dir", required=True, type=Path, help="build directory to write, e.g. build/pp7b")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                    help="engine weight and activation dtype (default: bfloat16)")
@@ -106,7 +111,17 @@ def main(argv: list[str] | None = None) -> int:
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.kv_cache_scale <= 0:
         parser.error(f"--kv-cache-scale must be > 0, got {args.kv_cache_scale}")
-    if not args.model_dir.is_dir():
+    if args.hf_repo is not None:
+        from ..errors import CheckpointError
+        from ..hub import parse_repo_ref, resolve_checkpoint
+
+        if parse_repo_ref(args.hf_repo) is None:
+            parser.error(f"--hf-repo {args.hf_repo!r} is not a repo id (owner/name[@revision])")
+        try:
+            args.model_dir = resolve_checkpoint(args.hf_repo)
+        except CheckpointError as exc:
+            parser.error(str(exc))
+    elif not args.model_dir.is_dir():
         parser.error(f"--model-dir {args.model_dir} is not a directory")
     # Imports torch (seconds): only once the cheap checks passed.
     from .pipeline import ConvertError, ConvertOptions, convert

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import progress
 from ..config import FRAME_SAMPLES
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ class TickGraphs:
 
     def capture_all(self) -> None:
         """Capture every bucket now (at start-up) instead of on first use."""
-        for b in self.buckets:
+        for done, b in enumerate(self.buckets):
+            progress.report(progress.TICK_GRAPHS, f"{b} slots", done, len(self.buckets))
             self._get(b)
 
     def _get(self, bucket: int) -> _Graph:

@@ -312,7 +312,7 @@ class EngineProcess:
             "info": wire.info_to_wire(scheduler.info), "voices": list(scheduler.voices),
             "busy": None if busy is None else [busy.kind, busy.since, busy.sessions],
             "failed_ticks_in_row": scheduler.failed_ticks_in_row, "held": len(self._owner),
-            "max_sessions": self.max_sessions,
+            "max_sessions": self.max_sessions, "loading": scheduler.loading_status(),
             # Sessions held per front-end worker (by pid): which worker serves how many.
             "workers": {str(w.pid): len(w.keys) for w in self._workers.values() if w.pid},
         }

@@ -85,7 +85,8 @@ def run_host(run_dir: Path, watch_pid: int) -> int:
         settings = Settings.from_mapping(json.loads(settings_path(run_dir).read_text()))
         devices = settings.resolved_devices()
     except (OSError, ValueError, SettingsError) as exc:
-        log.error("engine host: cannot start: %s", exc)
+        # The worker that started this host reports it (one line, then start-up ends).
+        log.debug("engine host: cannot start: %s", exc)
         _write_layout(run_dir, [], error=str(exc))
         return 2
     labels = device_labels(devices)

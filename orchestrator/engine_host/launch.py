@@ -20,14 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from ..ipc.endpoints import layout_path, lock_path, settings_path, write_atomic
+from ..settings import StartupError
 
 log = logging.getLogger(__name__)
 
 LAYOUT_TIMEOUT_S = 120.0  # the host resolves the devices (may import torch) before writing it
 
 
-class HostStartError(RuntimeError):
-    """The engine host could not be started or reported an error."""
+class HostStartError(StartupError):
+    """The engine host could not be started or reported an error (its message says which)."""
 
 
 def _host_running(run_dir: Path) -> bool:
@@ -41,12 +42,15 @@ def _host_running(run_dir: Path) -> bool:
         return True
 
 
-def ensure_host(settings: Any, run_dir: Path, watch_pid: int) -> dict[str, Any]:
-    """Start this server's engine host unless it runs; return its layout (``layout.json``)."""
+def ensure_host(settings: Any, run_dir: Path, watch_pid: int) -> tuple[dict[str, Any], bool]:
+    """Start this server's engine host unless it runs; return its layout (``layout.json``)
+    and whether this call started it (that worker speaks for the server in the log)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    started = False
     with open(run_dir / "spawn.lock", "a+") as spawn:
         fcntl.flock(spawn, fcntl.LOCK_EX)
         if not _host_running(run_dir):
+            started = True
             try:
                 layout_path(run_dir).unlink()  # a stale one of a host that is gone
             except FileNotFoundError:
@@ -62,7 +66,7 @@ def ensure_host(settings: Any, run_dir: Path, watch_pid: int) -> dict[str, Any]:
                 if time.monotonic() > deadline:
                     raise HostStartError("the engine host did not start within 10 s")
                 time.sleep(0.02)
-    return _wait_layout(run_dir)
+    return _wait_layout(run_dir), started
 
 
 def _wait_layout(run_dir: Path) -> dict[str, Any]:

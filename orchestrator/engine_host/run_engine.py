@@ -37,10 +37,10 @@ def run_engine(run_dir: Path, index: int) -> int:
     from ..metrics import Metrics
     from .engine_process import EngineProcess
 
-    max_sessions = settings.resolved_max_sessions(device)
+    engine_kwargs = settings.engine_kwargs(device)
+    max_sessions = engine_kwargs["max_slots"]
     factory = functools.partial(with_fault_injection(create_engine, settings.fault_injection), settings.checkpoint,
-                                max_slots=max_sessions, device=device, backend=settings.backend,
-                                window=settings.window, kv_cache=settings.kv_cache, compile=settings.compile)
+                                **engine_kwargs)
     metrics = Metrics(metrics_dir(run_dir))
     metrics.declare_device(label)
     scheduler = TickScheduler(factory, policy=settings.tick_policy_object(), silence_grace_s=settings.silence_grace_s,

@@ -66,6 +66,7 @@ class EngineLink:
         self.max_sessions: int | None = None  # known from the first status
         self.held = 0  # admitted sessions of this engine, all workers (from the status)
         self.sessions_by_worker: dict[int, int] = {}  # worker pid -> its sessions here (status)
+        self._loading: dict[str, Any] | None = None  # the engine's load phase and progress (status)
         self.first_status = asyncio.Event()
         self._last_status = float("-inf")
         self._socket: zmq.Socket | None = None
@@ -338,6 +339,7 @@ class EngineLink:
         self.held = int(status["held"])
         self.sessions_by_worker = {int(pid): int(n) for pid, n in status.get("workers", {}).items()}
         self.failed_ticks_in_row = int(status["failed_ticks_in_row"])
+        self._loading = status.get("loading")
         busy = status["busy"]
         self.busy = None if busy is None else EngineCall(busy[0], float(busy[1]), int(busy[2]))
         state = status["state"]
@@ -356,6 +358,10 @@ class EngineLink:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def loading_status(self) -> dict[str, Any] | None:
+        """The engine's load phase and progress, as its last status said (None once loaded)."""
+        return None if self.ready.is_set() else self._loading
 
     def _lost(self, why: str) -> None:
         """The engine process is gone: tell every session on it, fail its opens, end its closes."""

@@ -34,7 +34,7 @@ from ..lockstep.scheduler import EngineCall, TickScheduler
 from ..lockstep.watchdog import Watchdog
 from ..metrics import Metrics
 from ..protocol.errors import ProtocolError
-from ..settings import Settings, device_labels
+from ..settings import Settings, StartupError, device_labels
 from .admission import EngineAdmission, SlotPool
 from .engine_link import EngineLink
 
@@ -135,6 +135,9 @@ class DeviceEngine:
                 "max_sessions": self.max_sessions, "live_sessions": self.admission.held, "engine_pid": self.engine_pid}
         if isinstance(self.scheduler, EngineLink):
             body["sessions_by_worker"] = {str(pid): n for pid, n in sorted(self.scheduler.sessions_by_worker.items())}
+        loading = self.scheduler.loading_status() if state == "loading" else None
+        if loading is not None:
+            body["loading"] = loading  # {"phase", "detail", "done", "total", "elapsed_s"}: engines/progress.py
         return body
 
     # Sessions ---------------------------------------------------------------------------------
@@ -183,10 +186,9 @@ class EnginePool:
         devices = settings.resolved_devices()
         engines = []
         for index, (device, label) in enumerate(zip(devices, device_labels(devices))):
-            max_sessions = settings.resolved_max_sessions(device)
-            factory = functools.partial(engine_factory, settings.checkpoint, max_slots=max_sessions, device=device,
-                                        backend=settings.backend, window=settings.window,
-                                        kv_cache=settings.kv_cache, compile=settings.compile)
+            engine_kwargs = settings.engine_kwargs(device)
+            max_sessions = engine_kwargs["max_slots"]
+            factory = functools.partial(engine_factory, settings.checkpoint, **engine_kwargs)
             scheduler = TickScheduler(factory, policy=settings.tick_policy_object(),
                                       silence_grace_s=settings.silence_grace_s, warmup_frames=settings.warmup_frames,
                                       metrics=metrics, device=label)
@@ -218,7 +220,7 @@ class EnginePool:
             await asyncio.wait_for(asyncio.gather(*(link.first_status.wait() for link in links)), timeout_s)
         except asyncio.TimeoutError:
             missing = [link.device for link in links if not link.first_status.is_set()]
-            raise RuntimeError(f"the engine process(es) of {', '.join(missing)} did not answer within "
+            raise StartupError(f"the engine process(es) of {', '.join(missing)} did not answer within "
                                f"{timeout_s:g} s") from None
 
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list], None]) -> None:

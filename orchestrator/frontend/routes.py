@@ -13,10 +13,11 @@ import time
 from quart import Quart, Response, jsonify, request, websocket
 
 from ..protocol.errors import ProtocolError
-from ..settings import Settings
+from ..settings import Settings, StartupError
 from .access import Caller
 from .connection import Connection
 from .services import EngineFactory, Services
+from .start_failure import end_start_up
 from .web import register_web
 from .ws_drain import DrainAfterClose
 
@@ -26,11 +27,14 @@ _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
 
 
-def create_app(settings: Settings | None = None, engine_factory: EngineFactory | None = None) -> Quart:
+def create_app(settings: Settings | None = None, engine_factory: EngineFactory | None = None, *,
+               exit_on_start_failure: bool = False) -> Quart:
     """Build the server.  ``settings=None`` reads ``PERSONAPLEX_*`` when serving starts, so
     importing ``orchestrator:app`` has no side effects.  ``engine_factory``: None = the real
     engine where the settings put it (engine processes by default); a factory runs its
-    engines in this process (``Services``)."""
+    engines in this process (``Services``).  ``exit_on_start_failure``: a start-up that
+    cannot succeed ends this process with one line and a nonzero status (the served app,
+    ``orchestrator:app``); otherwise it raises (an app embedded in a test or a tool)."""
     app = Quart("personaplex")
     app.asgi_app = DrainAfterClose(app.asgi_app)  # no connection task left waiting on a closed socket
     holder: dict[str, Services] = {}
@@ -43,9 +47,14 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory |
     async def start() -> None:
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        holder["services"] = Services(settings or Settings.from_env(), engine_factory)
-        services().start()
-        await services().wait_engines()
+        try:
+            holder["services"] = Services(settings or Settings.from_env(), engine_factory)
+            services().start()
+            await services().wait_engines()
+        except StartupError as exc:
+            if exit_on_start_failure:
+                end_start_up(str(exc))
+            raise
 
     @app.after_serving
     async def stop() -> None:

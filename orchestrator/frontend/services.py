@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import sys
 from collections.abc import Collection
 from pathlib import Path
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 GIL_SWITCH_INTERVAL_S = 0.0005  # see start()
 LISTENER_POLL_S = 0.1  # how soon a closed listener (shutdown) starts the drain
 LOOP_SAMPLE_S = 0.5  # event-loop lag sampling period
+LOADING_POLL_S = 0.2  # how often the announcing worker looks whether start-up is over
 ENGINE_CONNECT_TIMEOUT_S = 120.0  # start-up: an engine process answers before loading its model
 
 
@@ -62,6 +64,8 @@ class Services:
         self._tasks: list[asyncio.Future] = []
         self.sessions: dict[str, Session] = {}
         self.in_process = engine_factory is not None or settings.engine_host == "thread"
+        # One worker logs what concerns the whole server (the one that started the engine host).
+        self.speaks_for_server = self.in_process
         if self.in_process:
             if engine_factory is None:
                 from engines.factory import create_engine as engine_factory  # torch: only for in-process engines
@@ -70,7 +74,7 @@ class Services:
             self.pool = EnginePool.build(settings, factory, self.metrics, self._on_stall)
         else:
             run_dir = Path(settings.run_dir) if settings.run_dir else default_run_dir()
-            layout = ensure_host(settings, run_dir, server_group_pid())
+            layout, self.speaks_for_server = ensure_host(settings, run_dir, server_group_pid())
             self.metrics = Metrics(metrics_dir(run_dir))  # the host has made it, empty
             self.pool = EnginePool.connect(settings, layout, self.metrics, self._on_stall)
         self._caps: tuple[int, dict[str, Any]] | None = None
@@ -110,8 +114,9 @@ class Services:
             log.warning("PERSONAPLEX_CHECKPOINT is not set: serving the embedded default, an UNTRAINED tiny demo "
                         "model (its speech is noise). To serve real weights set PERSONAPLEX_CHECKPOINT to a "
                         "nvidia/personaplex-7b-v1 checkpoint directory.")
-        log.info("starting %d engine(s): backend=%s max_sessions=%d in all", len(self.pool.engines),
-                 self.settings.backend, self.max_sessions)
+        if self.in_process:
+            log.info("starting %d engine(s): backend=%s max_sessions=%d in all", len(self.pool.engines),
+                     self.settings.backend, self.max_sessions)
         if self.in_process:
             # The engine threads release the interpreter lock around every GPU call and wait
             # on the GPU; taking it back from a busy event loop costs up to one switch
@@ -123,6 +128,8 @@ class Services:
             self._tasks.extend(asyncio.ensure_future(engine.watchdog.run()) for engine in self.pool.engines)
         if self._listeners.listeners:
             self._tasks.append(asyncio.ensure_future(self._watch_listeners()))
+        if self.speaks_for_server:
+            self._tasks.append(asyncio.ensure_future(self._announce_ready()))
         self._tasks.append(asyncio.ensure_future(self._watch_loop()))
 
     def stop(self) -> None:
@@ -149,6 +156,23 @@ class Services:
             due = loop.time() + LOOP_SAMPLE_S
             await asyncio.sleep(LOOP_SAMPLE_S)
             self.metrics.observe_loop(max(0.0, loop.time() - due), len(asyncio.all_tasks()))
+
+    async def _announce_ready(self) -> None:
+        """Once start-up is over, say where to talk to the server (hypercorn's "Running on"
+        comes as soon as it listens, long before a 7B model has loaded)."""
+        while self.pool.loading:
+            await asyncio.sleep(LOADING_POLL_S)
+        if not self.pool.serving:
+            return  # each engine's failure is logged where it happened; /health says why
+        for listener in self._listeners.listeners or ():
+            if listener.port is None:
+                continue
+            host = str(listener).rsplit(":", 1)[0]
+            if host in ("0.0.0.0", "[::]"):
+                host = socket.gethostname()
+            log.info("ready: %d session(s) on %s; talk page http://%s:%d/ , websocket ws://%s:%d/v1/realtime?duplex=1",
+                     self.max_sessions, ", ".join(e.label for e in self.pool.engines if e.serving), host,
+                     listener.port, host, listener.port)
 
     async def _watch_listeners(self) -> None:
         while not self._listeners.closed():
@@ -255,7 +279,7 @@ class Services:
             body = {"status": "healthy"}
         if any(problems):
             body["devices"] = [{"device": engine.label, "status": "unhealthy" if problem else "healthy",
-                                **({"reason": problem} if problem else {})}
+                                **({"reason": problem} if problem else {}), **_loading_of(engine)}
                                for engine, problem in zip(engines, problems)]
         return (200 if body["status"] == "healthy" else 503), body
 
@@ -281,3 +305,9 @@ class Services:
             body["reason"] = reason
         body["devices"] = [engine.status() for engine in pool.engines]
         return (200 if reason is None else 503), body
+
+
+def _loading_of(engine: DeviceEngine) -> dict[str, Any]:
+    """``{"loading": {phase, detail, done, total, elapsed_s}}`` while ``engine`` loads, else {}."""
+    loading = engine.scheduler.loading_status() if engine.loading else None
+    return {"loading": loading} if loading is not None else {}

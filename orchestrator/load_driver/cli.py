@@ -38,7 +38,8 @@ Two modes:
       over --admission-limit must be refused with resource_exhausted; the primary closes and
       a replacement with a third persona gets a fresh id and no leaked state.  Writes
       result.json plus <session>-events.jsonl and <session>-output.wav per session.
-      The server's max_sessions must equal --admission-limit (default 2).  The secondary
+      The server's max_sessions must equal --admission-limit (default: the one the server
+      advertises in its capabilities, else 2).  The secondary
       sends nothing while the primary is recycled (about --drain-s plus a close and an
       open), so a server that feeds silence to idle sessions needs a longer grace than that.
   load (--sessions N)
@@ -80,11 +81,11 @@ load-result.json in --output-dir.
 EPILOG = """\
 examples:
   # lifecycle acceptance against a server started with PERSONAPLEX_MAX_SESSIONS=2
-  personaplex-load --model tiny-v1 --input-wav ../shared/data/input_assistant.wav \\
+  personaplex-load --model tiny-v1 --input-wav tests/data/input_assistant.wav \\
       --output-dir /tmp/lifecycle
 
   # 8 paced sessions of 20 s each, with a lag-over-time plot
-  personaplex-load --model tiny-v1 --input-wav ../shared/data/input_assistant.wav \\
+  personaplex-load --model tiny-v1 --input-wav tests/data/input_assistant.wav \\
       --sessions 8 --load-frames 250 --server-revision "$(git rev-parse --short HEAD)" \\
       --server-hardware "2-core CPU" --plot --output-dir /tmp/load-n8
 
@@ -165,9 +166,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     checks.add_argument("--replacement-frames", metavar="N", type=int, default=0,
                         help="lifecycle: frames streamed after the slot is recycled; 0 = the whole input "
                              "(default: %(default)s)")
-    checks.add_argument("--admission-limit", metavar="N", type=int, default=2,
+    checks.add_argument("--admission-limit", metavar="N", type=int, default=None,
                         help="lifecycle: the server's max_sessions; that many sessions must be admitted and one more "
-                             "refused with resource_exhausted (default: %(default)s, the reference deployment's)")
+                             "refused with resource_exhausted (default: the max_sessions the server advertises in its "
+                             "capabilities, as personaplex-serve does; else 2, the reference deployment's)")
 
     load = parser.add_argument_group("load mode")
     load.add_argument("--sessions", metavar="N", type=int,

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 RESULT_NAME = "result.json"
 PLOT_NAME = "lifecycle-timeline.png"
+DEFAULT_ADMISSION_LIMIT = 2  # the reference deployment's max_sessions
 NAMES = ("primary", "secondary", "replacement")
 
 
@@ -164,8 +165,21 @@ class _Scenario:
         """The first ``session.created`` or ``error`` of an opening session."""
         return await probe.wait_first_of(("session.created", "error"), self.opts.timeout_s, "session.created")
 
+    def admission_limit(self) -> tuple[int, str]:
+        """``--admission-limit``, else the ``max_sessions`` the server advertises in its
+        capabilities (personaplex-serve does), else the reference deployment's 2; and where
+        the number came from."""
+        if self.opts.admission_limit is not None:
+            return self.opts.admission_limit, "--admission-limit"
+        advertised = (self.result.get("capabilities") or {}).get("max_sessions")
+        if isinstance(advertised, int) and not isinstance(advertised, bool) and advertised >= 2:
+            return advertised, "the server's capabilities"
+        return DEFAULT_ADMISSION_LIMIT, "the reference deployment's"
+
     async def _check_admission_limit(self) -> None:
-        limit = self.opts.admission_limit
+        limit, source = self.admission_limit()
+        self.result["admission_limit"] = limit
+        log.info("lifecycle: admission limit %d (%s)", limit, source)
         fillers = []
         for i in range(limit - 2):
             probe = await self._connect(f"filler-{i}", self.opts.persona)

@@ -57,7 +57,7 @@ class Options:
     # Acceptance.
     thresholds: Thresholds = Thresholds()
     replacement_frames: int = 0
-    admission_limit: int = 2
+    admission_limit: int | None = None  # None: the server's advertised max_sessions (lifecycle.py)
     # Load mode (sessions=None selects the lifecycle mode).
     sessions: int | None = None
     load_frames: int = 1000
@@ -106,7 +106,7 @@ class Options:
         finite("voiced-frame-rms-threshold", t.voiced_frame_rms_threshold)
         if self.replacement_frames < 0:
             raise OptionsError(f"--replacement-frames must be >= 0, got {self.replacement_frames}")
-        if self.admission_limit < 2:
+        if self.admission_limit is not None and self.admission_limit < 2:
             raise OptionsError(f"--admission-limit must be >= 2 (the lifecycle runs two sessions at once), "
                                f"got {self.admission_limit}")
         if self.sessions is not None and not 1 <= self.sessions <= MAX_LOAD_SESSIONS:

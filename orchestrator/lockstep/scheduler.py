@@ -42,7 +42,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from engines.config import FRAME_SAMPLES
+from engines import progress
+from engines.config import FRAME_SAMPLES, ConfigError
+from engines.errors import AudioInputError, CheckpointError
 from engines.interface import Engine, EngineInfo, FrameOutput, SessionSpec, SlotFault
 
 from ..metrics import Metrics
@@ -50,6 +52,10 @@ from ..protocol.audio import float_to_pcm16
 from .tick_policy import FRAME_PERIOD_S, PacedPolicy, TickState, WindowPolicy
 
 log = logging.getLogger(__name__)
+
+# Load failures caused by the checkpoint, a voice or the machine (not by this code): logged as
+# one line (the server stays up; /health says why).
+_INPUT_LOAD_ERRORS = (CheckpointError, ConfigError, AudioInputError, OSError, MemoryError)
 
 TICK_TIME_SMOOTHING = 0.2  # weight of the newest tick in the moving average the policy reads
 
@@ -167,6 +173,9 @@ class TickScheduler:
         self._hand_back: Callable[[list], None] = lambda results: None
         self.ready = threading.Event()  # set when loading finished, successfully or not
         self.load_error: BaseException | None = None
+        # Where loading is (engines/progress.py), and since when: for /ready while it loads.
+        self.load_progress: progress.LoadProgress | None = None
+        self.load_started: float | None = None
         self.info: EngineInfo | None = None
         self.voices: tuple[str, ...] = ()
         self.busy: EngineCall | None = None  # written by the engine thread only
@@ -296,13 +305,34 @@ class TickScheduler:
         for key in list(self._lanes):
             self._close(engine, key, concurrent.futures.Future())
 
+    def loading_status(self) -> dict[str, Any] | None:
+        """The phase and progress of a load under way (None once it has finished)."""
+        current, started = self.load_progress, self.load_started
+        if self.ready.is_set() or started is None:
+            return None
+        body = current.as_dict() if current is not None else {"phase": "starting"}
+        body["elapsed_s"] = round(time.monotonic() - started, 1)
+        return body
+
+    def _on_progress(self, report: progress.LoadProgress) -> None:
+        previous, self.load_progress = self.load_progress, report
+        if previous is None or previous.phase != report.phase:  # the steps of a phase: /ready shows them
+            log.info("loading (device %s): %s%s", self.device, report.phase, f": {report.detail}" if report.detail
+                     else "")
+
     def _load(self) -> Engine | None:
+        self.load_started = time.monotonic()
         try:
-            engine = self._factory()
-            self.voices = tuple(engine.voices())
-            self._warm_up(engine)
+            with progress.listening(self._on_progress):
+                engine = self._factory()
+                self.voices = tuple(engine.voices())
+                self._warm_up(engine)
         except BaseException as exc:  # noqa: BLE001 - reported through /health and opens
-            log.exception("engine failed to load (device %s)", self.device)
+            if isinstance(exc, _INPUT_LOAD_ERRORS) or type(exc).__name__ == "OutOfMemoryError":
+                # What the operator gave or has (files, memory): their message says it all.
+                log.error("engine failed to load (device %s): %s", self.device, exc)
+            else:  # a defect: keep the traceback
+                log.exception("engine failed to load (device %s)", self.device)
             self.load_error = exc
             self.ready.set()
             return None
@@ -317,6 +347,7 @@ class TickScheduler:
         (lazy allocations, kernel selection, the default prefill)."""
         if self._warmup_frames <= 0:
             return
+        progress.report(progress.WARM_UP, f"{self._warmup_frames} frames of silence")
         start = time.perf_counter()
         slot = engine.open_slot(SessionSpec())
         try:

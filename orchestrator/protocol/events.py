@@ -66,6 +66,9 @@ def capabilities(max_sessions: int) -> dict[str, Any]:
         "supports_realtime_endpoint": True,
         "supports_multi_session": multi,
         "supports_multi_session_same_replica": multi,
+        # Ours, not the reference's: the server's admission, so that a client (the load
+        # driver's lifecycle check) knows how many sessions it may open at once.
+        "max_sessions": max_sessions,
         "supports_session_lease": True,
         "supports_session_resume": False,
         "session_admission_mode": "engine_managed",

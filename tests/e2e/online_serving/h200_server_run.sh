@@ -12,14 +12,14 @@
 # and the busiest threads every 20 s (top-threads.txt); per server, POLICY-server.tgz: its log
 # and start-up time (startup.txt).  Settings: WORKERS (front-end workers, default 4),
 # ENGINE_HOST (process | thread: the old one-process layout), MAX_SESSIONS (default: the
-# largest load), SPREAD_MS (default 80), WAV (default artifacts/input_assistant.wav), and for a
+# largest load), SPREAD_MS (default 80), WAV (default tests/data/input_assistant.wav), and for a
 # dry run on CPU CHECKPOINT (a directory), DEVICES (cpu), KV_CACHE (auto); wheels the machine
 # lacks go in .whl/.
 set -uo pipefail
 policy=$1
 shift
 out=${OUT:?set OUT}
-wav=${WAV:-artifacts/input_assistant.wav}
+wav=${WAV:-tests/data/input_assistant.wav}
 engine_host=${ENGINE_HOST:-process}
 workers=${WORKERS:-4}
 [ "$engine_host" = thread ] && workers=1
@@ -39,15 +39,24 @@ export PERSONAPLEX_CHECKPOINT=${CHECKPOINT:-random:personaplex-7b} PERSONAPLEX_D
 started=$SECONDS
 python3 -m hypercorn orchestrator:app --bind 127.0.0.1:8000 --workers "$workers" > "$server_dir/server.log" 2>&1 &
 server=$!
+phase=""
 until curl -sf 127.0.0.1:8000/ready >/dev/null; do
     kill -0 $server 2>/dev/null || { echo "server exited"; tail -20 "$server_dir/server.log"; exit 1; }
-    if curl -s 127.0.0.1:8000/ready | grep -q '"reason": *"unavailable"'; then  # the engine failed to load
+    ready=$(curl -s 127.0.0.1:8000/ready)
+    if echo "$ready" | grep -q '"reason": *"unavailable"'; then  # the engine failed to load
         echo "server not ready: the engine failed to load"; tail -20 "$server_dir/server.log"; kill $server; exit 1
+    fi
+    # Where the load is (/ready's "loading"), each time it moves on.
+    now=$(echo "$ready" | python3 -c 'import json,sys
+try: print(json.dumps(json.load(sys.stdin)["devices"][0].get("loading", {}).get("phase", "")))
+except Exception: print("")' 2>/dev/null)
+    if [ -n "$now" ] && [ "$now" != "$phase" ]; then
+        phase=$now; echo "$((SECONDS - started)) s: $(echo "$ready" | python3 -c 'import json,sys; print(json.load(sys.stdin)["devices"][0].get("loading"))')" | tee -a "$server_dir/startup.txt"
     fi
     [ $((SECONDS - started)) -gt 600 ] && { echo "not ready in 600 s"; kill $server; exit 1; }
     sleep 1
 done
-echo "$policy: ready after $((SECONDS - started)) s (git $revision, $gpu, engine $engine_host, $workers worker(s), max_sessions $PERSONAPLEX_MAX_SESSIONS)" | tee "$server_dir/startup.txt"
+echo "$policy: ready after $((SECONDS - started)) s (git $revision, $gpu, engine $engine_host, $workers worker(s), max_sessions $PERSONAPLEX_MAX_SESSIONS)" | tee -a "$server_dir/startup.txt"
 model=$(curl -s 127.0.0.1:8000/v1/models | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
 for load in "$@"; do
     IFS=: read -r sessions frames processes <<< "$load"

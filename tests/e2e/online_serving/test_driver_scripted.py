@@ -16,7 +16,7 @@ import pytest
 
 from .personaplex_realtime_duplex import EXIT_NOT_OK, EXIT_OK, EXIT_USAGE, main
 from orchestrator.load_driver import load as load_mode
-from .scripted_server import FRAME, ScriptedServer, write_tone_wav
+from .scripted_server import CAPABILITIES, FRAME, ScriptedServer, write_tone_wav
 
 FRAMES = 6  # input frames per load session in these tests (0.48 s)
 TOP_LEVEL_FIELDS = {
@@ -328,6 +328,17 @@ def test_lifecycle_with_a_larger_admission_limit(tone_wav, tmp_path):
         code = run_cli(server, tone_wav, tmp_path, "--admission-limit", "3", "--replacement-frames", "5")
     result = json.loads((tmp_path / "result.json").read_text())
     assert code == EXIT_OK and result["overflow_error_code"] == "resource_exhausted"
+    assert len(server.sessions) == 4  # primary, secondary, one filler, replacement
+
+
+def test_lifecycle_takes_the_admission_limit_the_server_advertises(tone_wav, tmp_path):
+    """Without --admission-limit the check uses the capabilities' max_sessions (personaplex-
+    serve advertises it): a 3-slot server passes, with one filler session."""
+    caps = dict(CAPABILITIES, max_sessions=3)
+    with ScriptedServer(capacity=3, capabilities=caps) as server:
+        code = run_cli(server, tone_wav, tmp_path, "--replacement-frames", "5")
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert code == EXIT_OK and result["admission_limit"] == 3, result.get("failure")
     assert len(server.sessions) == 4  # primary, secondary, one filler, replacement
 
 

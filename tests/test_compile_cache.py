@@ -1,0 +1,58 @@
+"""torch.compile's caches live in the project's cache directory and a second start reuses
+them (engines/compiled.py).  The GPU tick's compiled pieces do not compile on CPU, so a
+small function goes through the same ``compile_dynamic`` in two fresh processes: Inductor
+on CPU, its real FX-graph cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COMPILE_ONCE = """
+import json, torch
+from engines.compiled import compile_dynamic
+step = compile_dynamic(lambda x: torch.tanh(x * 2.0) + x.cos())
+step(torch.randn(4, 16))
+from torch._dynamo.utils import counters
+print(json.dumps(dict(counters["inductor"])))
+"""
+
+
+def _start(env: dict[str, str], code: str = COMPILE_ONCE) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    clean.update(env, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=300)
+
+
+def test_a_second_start_reuses_the_compiled_graphs(tmp_path: Path):
+    env = {"PERSONAPLEX_CACHE_DIR": str(tmp_path)}
+    first = _start(env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    counts = json.loads(first.stdout.strip().splitlines()[-1])
+    assert counts.get("fxgraph_cache_miss", 0) >= 1 and counts.get("fxgraph_cache_hit", 0) == 0, counts
+    assert any((tmp_path / "compile" / "inductor" / "fxgraph").iterdir())  # not in /tmp
+    second = _start(env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    counts = json.loads(second.stdout.strip().splitlines()[-1])
+    assert counts.get("fxgraph_cache_hit", 0) >= 1 and counts.get("fxgraph_cache_miss", 0) == 0, counts
+
+
+def test_an_operators_own_cache_directories_win(tmp_path: Path, monkeypatch):
+    from engines.compiled import use_persistent_caches
+
+    monkeypatch.setenv("PERSONAPLEX_CACHE_DIR", str(tmp_path / "p"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "i"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "t"))
+    use_persistent_caches()
+    assert (os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"]) == (str(tmp_path / "i"),
+                                                                                    str(tmp_path / "t"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    use_persistent_caches()
+    assert (os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"]) == (
+        str(tmp_path / "p" / "compile" / "inductor"), str(tmp_path / "p" / "compile" / "triton"))
