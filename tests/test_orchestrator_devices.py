@@ -244,7 +244,8 @@ def test_devices_resolution(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without GPUs
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert Settings().resolved_devices() == ["cpu"]  # unset: the one engine of PERSONAPLEX_DEVICE
-    assert Settings(device="cuda:3").resolved_devices() == ["cuda:3"]  # as before: not checked here
+    with pytest.raises(SettingsError, match="PERSONAPLEX_DEVICE=cuda:3 but CUDA is not available here"):
+        Settings(device="cuda:3").resolved_devices()  # asked for, absent: refused at start (issue 16)
     assert Settings.from_env({"PERSONAPLEX_DEVICES": "cpu, cpu"}).resolved_devices() == ["cpu", "cpu"]
     with pytest.raises(SettingsError, match="set PERSONAPLEX_DEVICE or PERSONAPLEX_DEVICES"):
         Settings(device="cpu", devices=("cpu",))
@@ -255,6 +256,9 @@ def test_devices_resolution(monkeypatch: pytest.MonkeyPatch):
     with pytest.raises(SettingsError, match=r"names cuda:2 but 2 CUDA device\(s\) are visible"):
         Settings(devices=("0", "2")).resolved_devices()
     assert Settings(devices=("1", "cuda:0")).resolved_devices() == ["cuda:1", "cuda:0"]
+    assert Settings(device="cuda:1").resolved_devices() == ["cuda:1"]
+    with pytest.raises(SettingsError, match=r"PERSONAPLEX_DEVICE=cuda:3 but 2 CUDA device\(s\) are visible"):
+        Settings(device="cuda:3").resolved_devices()
     assert Settings(devices=("all",)).resolved_devices() == ["cuda:0", "cuda:1"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(SettingsError, match="all but no CUDA device is visible"):
@@ -269,8 +273,11 @@ def test_refuse_when_full_and_random_checkpoint_settings():
         Settings(checkpoint="random:llama")
     with pytest.raises(SettingsError, match="needs PERSONAPLEX_BACKEND=torch"):
         Settings(checkpoint="random:personaplex-7b", backend="trtllm")
-    with pytest.raises(SettingsError, match="is not a directory"):
+    with pytest.raises(SettingsError, match="is neither a directory nor a Hugging Face repo id"):
         Settings(checkpoint="personaplex-7b")
+    assert Settings(checkpoint="nvidia/personaplex-7b-v1@main").checkpoint == "nvidia/personaplex-7b-v1@main"
+    with pytest.raises(SettingsError, match="is not a directory .a build directory"):
+        Settings(checkpoint="nvidia/personaplex-7b-v1", backend="trtllm")
 
 
 def test_random_7b_admission_is_the_real_checkpoints(monkeypatch: pytest.MonkeyPatch, tmp_path):

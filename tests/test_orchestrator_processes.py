@@ -224,13 +224,15 @@ def test_sigterm_drains_every_worker_and_stops_the_engines():
 
 
 def test_the_launcher_exits_nonzero_when_start_up_fails():
-    """A server that cannot start (here: a GPU that is not there) says why in one line and
-    ``orchestrator.serve`` exits 1 instead of restarting workers that fail the same way."""
+    """A server that cannot start (here: a GPU that is not there) says why in one line, from
+    one of its two workers, and ``orchestrator.serve`` exits 3 instead of restarting workers
+    that fail the same way."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PERSONAPLEX_")}
     env.update(PERSONAPLEX_DEVICES="cuda:7", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "orchestrator.serve", "orchestrator:app", "--bind", "127.0.0.1:0",
                            "--workers", "2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 1, output[-3000:]
-    assert "PERSONAPLEX_DEVICES names cuda:7 but 0 CUDA device(s) are visible" in output
-    assert "failed at start-up" in output and "Running on" not in output
+    assert proc.returncode == 3, output[-3000:]  # START_FAILED_EXIT
+    errors = [line for line in output.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "PERSONAPLEX_DEVICES names cuda:7 but 0 CUDA device(s) are visible" in errors[0], errors
+    assert "Traceback" not in output and "Running on" not in output

@@ -123,8 +123,12 @@ def test_repo_id_from_the_cache_voice_dir_and_the_ready_line(my_voice_dir, tmp_p
         run(scenario())
         logs = server.logs()
         assert "serving 1 voice(s) from" in logs and f"checkpoint {HUB_REPO}: from the local cache" in logs
-        assert f"talk page http://127.0.0.1:{server.port}/ , websocket ws://127.0.0.1:{server.port}/v1/realtime" \
-            in logs
+        # Said once the worker has seen the engine ready (it looks every 0.2 s).
+        ready_line = f"talk page http://127.0.0.1:{server.port}/ , websocket ws://127.0.0.1:{server.port}/v1/realtime"
+        deadline = time.monotonic() + 10
+        while ready_line not in server.logs() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready_line in server.logs()
     finally:
         server.stop()
     server.assert_clean_log()

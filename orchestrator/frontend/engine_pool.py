@@ -135,10 +135,15 @@ class DeviceEngine:
                 "max_sessions": self.max_sessions, "live_sessions": self.admission.held, "engine_pid": self.engine_pid}
         if isinstance(self.scheduler, EngineLink):
             body["sessions_by_worker"] = {str(pid): n for pid, n in sorted(self.scheduler.sessions_by_worker.items())}
-        loading = self.scheduler.loading_status() if state == "loading" else None
+        loading = self.loading_status()
         if loading is not None:
-            body["loading"] = loading  # {"phase", "detail", "done", "total", "elapsed_s"}: engines/progress.py
+            body["loading"] = loading
         return body
+
+    def loading_status(self) -> dict[str, Any] | None:
+        """While this engine loads: ``{"phase", "detail"?, "done"?, "total"?, "elapsed_s"}``
+        (engines/progress.py); None otherwise."""
+        return self.scheduler.loading_status() if self.loading and self.scheduler.load_error is None else None
 
     # Sessions ---------------------------------------------------------------------------------
     def check_loaded(self) -> None:

@@ -279,7 +279,8 @@ class Services:
             body = {"status": "healthy"}
         if any(problems):
             body["devices"] = [{"device": engine.label, "status": "unhealthy" if problem else "healthy",
-                                **({"reason": problem} if problem else {}), **_loading_of(engine)}
+                                **({"reason": problem} if problem else {}),
+                                **({"loading": loading} if (loading := engine.loading_status()) else {})}
                                for engine, problem in zip(engines, problems)]
         return (200 if body["status"] == "healthy" else 503), body
 
@@ -306,8 +307,3 @@ class Services:
         body["devices"] = [engine.status() for engine in pool.engines]
         return (200 if reason is None else 503), body
 
-
-def _loading_of(engine: DeviceEngine) -> dict[str, Any]:
-    """``{"loading": {phase, detail, done, total, elapsed_s}}`` while ``engine`` loads, else {}."""
-    loading = engine.scheduler.loading_status() if engine.loading else None
-    return {"loading": loading} if loading is not None else {}

@@ -13,32 +13,74 @@ Who sees that status:
   master with ``SIGUSR1``, whose default action terminates it: the shell sees status 138.
   Every worker of a server fails its start-up the same way (the settings are the server's),
   so no worker is left serving without its master.
+
+With several workers, the first to fail reports (it holds a name that one process of the
+server can hold, ``_claim_the_report``) and waits a moment for the others, which then exit
+without repeating the line.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing
 import os
 import signal
+import socket
+import time
 from pathlib import Path
+
+from ..ipc.endpoints import pid_alive, server_group_pid
 
 log = logging.getLogger("orchestrator")
 
 START_FAILED_EXIT = 3  # the worker's status: start-up failed, and the reason has been logged
 MASTER_SIGNAL = signal.SIGUSR1
+SIBLING_WAIT_S = 2.0  # the longest the reporting worker waits for the others to fail too
 
 
 def end_start_up(reason: str) -> None:
     """Log ``reason`` as the one line of this failure and end the server (does not return)."""
-    log.error("cannot start: %s", reason)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
     parent = multiprocessing.parent_process()
+    siblings = _siblings(parent.pid) if parent is not None and parent.pid is not None else []
+    claim = _claim_the_report()
+    if claim is not None:  # the first worker of this server to fail says why; the others do not repeat it
+        log.error("cannot start: %s", reason)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        # Hold the claim while the other workers, failing the same way, come to it.
+        deadline = time.monotonic() + SIBLING_WAIT_S
+        while any(pid_alive(pid) for pid in siblings) and time.monotonic() < deadline:
+            time.sleep(0.02)
     if parent is not None and parent.pid is not None and _is_hypercorn_master(parent.pid):
         _release_shared_semaphores()
-        os.kill(parent.pid, MASTER_SIGNAL)
+        try:
+            os.kill(parent.pid, MASTER_SIGNAL)
+        except ProcessLookupError:  # another worker ended it first
+            pass
     os._exit(START_FAILED_EXIT)  # no unwinding: Quart and hypercorn would log the failure again
+
+
+def _siblings(master: int) -> list[int]:
+    """The other workers of this server (the master's other children), while it has them."""
+    try:
+        children = Path(f"/proc/{master}/task/{master}/children").read_text().split()
+    except OSError:
+        return []
+    return [int(pid) for pid in children if int(pid) != os.getpid()]
+
+
+def _claim_the_report() -> socket.socket | None:
+    """Whether this worker is the first of its server to report a failed start: a name in
+    Linux's abstract socket namespace, one per server (its master's pid), that only one
+    process can hold and that vanishes with it.  Elsewhere every worker reports."""
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        claim.bind(f"\0personaplex-serve-start-failed-{server_group_pid()}")
+    except OSError as exc:
+        claim.close()
+        return None if exc.errno == errno.EADDRINUSE else socket.socket()
+    return claim  # held until this process exits
 
 
 def _release_shared_semaphores() -> None:
