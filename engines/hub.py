@@ -19,6 +19,7 @@ set ``HF_TOKEN``, go online, fix the name).  Torch-free: the settings check name
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -125,8 +126,6 @@ def download(ref: RepoRef, *, cache_dir: str | Path | None = None, local_name: s
 
 def _needed_files(ref: RepoRef, cache_dir: str | Path | None, offline: bool) -> list[str]:
     """The files of the checkpoint: the ones ``config.json`` names, or PersonaPlex's."""
-    import json
-
     import huggingface_hub
     from huggingface_hub import errors
 

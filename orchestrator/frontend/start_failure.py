@@ -37,14 +37,14 @@ log = logging.getLogger("orchestrator")
 START_FAILED_EXIT = 3  # the worker's status: start-up failed, and the reason has been logged
 MASTER_SIGNAL = signal.SIGUSR1
 SIBLING_WAIT_S = 2.0  # the longest the reporting worker waits for the others to fail too
+_HELD: list[socket.socket] = []
 
 
 def end_start_up(reason: str) -> None:
     """Log ``reason`` as the one line of this failure and end the server (does not return)."""
     parent = multiprocessing.parent_process()
     siblings = _siblings(parent.pid) if parent is not None and parent.pid is not None else []
-    claim = _claim_the_report()
-    if claim is not None:  # the first worker of this server to fail says why; the others do not repeat it
+    if _claim_the_report():  # the first worker of this server to fail says why; the others do not repeat it
         log.error("cannot start: %s", reason)
         for handler in logging.getLogger().handlers:
             handler.flush()
@@ -70,17 +70,19 @@ def _siblings(master: int) -> list[int]:
     return [int(pid) for pid in children if int(pid) != os.getpid()]
 
 
-def _claim_the_report() -> socket.socket | None:
+def _claim_the_report() -> bool:
     """Whether this worker is the first of its server to report a failed start: a name in
     Linux's abstract socket namespace, one per server (its master's pid), that only one
-    process can hold and that vanishes with it.  Elsewhere every worker reports."""
+    process can hold and that vanishes with it.  Where there is no such namespace, every
+    worker reports."""
     claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         claim.bind(f"\0personaplex-serve-start-failed-{server_group_pid()}")
     except OSError as exc:
         claim.close()
-        return None if exc.errno == errno.EADDRINUSE else socket.socket()
-    return claim  # held until this process exits
+        return exc.errno != errno.EADDRINUSE
+    _HELD.append(claim)  # held until this process exits
+    return True
 
 
 def _release_shared_semaphores() -> None:
