@@ -56,3 +56,35 @@ def test_an_operators_own_cache_directories_win(tmp_path: Path, monkeypatch):
     use_persistent_caches()
     assert (os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"]) == (
         str(tmp_path / "p" / "compile" / "inductor"), str(tmp_path / "p" / "compile" / "triton"))
+
+
+def _compilations(batches: list[int]) -> int:
+    """How many times ``compile_dynamic`` compiles a tick-shaped function fed these batch sizes."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from engines.compiled import compile_dynamic
+
+    torch._dynamo.reset()
+    counters.clear()
+    step = compile_dynamic(lambda x: torch.tanh(x * 2.0) + x.cos())
+    for b in batches:
+        step(torch.randn(b, 16))
+    return counters["stats"]["unique_graphs"]
+
+
+def test_a_lone_slot_is_no_compilation_of_its_own(tmp_path: Path, monkeypatch):
+    """torch specialises a batch of exactly 1, so a 1-slot tick graph would compile the tick a
+    second time at every start (engines/gpu/graphs.py); compiled engines pad it to 2."""
+    from engines.gpu.graphs import tick_buckets
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    requested = (1, 2, 4, 8, 16)
+    assert tick_buckets(requested, 12, compiled=False) == [1, 2, 4, 8, 12]
+    buckets = tick_buckets(requested, 12, compiled=True)
+    assert buckets == [2, 4, 8, 12]
+    assert _compilations([1, *buckets]) == 2  # what bucket 1 used to cost
+    assert _compilations(buckets) == 1
+    assert tick_buckets((1, 2, 4), 1, compiled=True) == [1]  # one slot: nothing to pad to
+    assert tick_buckets((1, 4), 6, compiled=True) == [2, 4, 6]

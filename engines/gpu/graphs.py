@@ -31,10 +31,22 @@ class _Graph:
     out_text: torch.Tensor
 
 
+def tick_buckets(requested: tuple[int, ...], num_slots: int, compiled: bool) -> list[int]:
+    """The batch sizes that get a graph: the requested ones below the slot count, and the
+    slot count itself.  A compiled tick has no graph for a lone slot: torch specialises a
+    dimension of size 1, so a batch of exactly one is a compilation of its own (~14 s of
+    every start at 7B shapes, from the cache or not), while one live slot padded to two
+    costs about the same GPU time (the tick reads the weights once either way)."""
+    buckets = {b for b in requested if b < num_slots} | {num_slots}
+    if compiled and num_slots >= 2:
+        buckets = (buckets - {1}) | {2}
+    return sorted(buckets)
+
+
 class TickGraphs:
     def __init__(self, engine, buckets: tuple[int, ...]) -> None:
         self.engine = engine
-        self.buckets = sorted({b for b in buckets if b < engine.num_slots} | {engine.num_slots})
+        self.buckets = tick_buckets(buckets, engine.num_slots, engine.options.compile)
         self._graphs: dict[int, _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         # Pinned staging buffers: the per-tick uploads are true async copies, with no
