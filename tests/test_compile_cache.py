@@ -58,8 +58,8 @@ def test_an_operators_own_cache_directories_win(tmp_path: Path, monkeypatch):
         str(tmp_path / "p" / "compile" / "inductor"), str(tmp_path / "p" / "compile" / "triton"))
 
 
-def _compilations(batches: list[int]) -> int:
-    """How many times ``compile_dynamic`` compiles a tick-shaped function fed these batch sizes."""
+def _compilations(shapes: list[tuple[int, ...]]) -> int:
+    """How many times ``compile_dynamic`` compiles a tick-shaped function fed these shapes."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -67,9 +67,9 @@ def _compilations(batches: list[int]) -> int:
 
     torch._dynamo.reset()
     counters.clear()
-    step = compile_dynamic(lambda x: torch.tanh(x * 2.0) + x.cos())
-    for b in batches:
-        step(torch.randn(b, 16))
+    step = compile_dynamic(lambda x: torch.tanh(x * 2.0) + x.cos() + x.mean(dim=1, keepdim=True))
+    for shape in shapes:
+        step(torch.randn(shape))
     return counters["stats"]["unique_graphs"]
 
 
@@ -84,7 +84,15 @@ def test_a_lone_slot_is_no_compilation_of_its_own(tmp_path: Path, monkeypatch):
     assert tick_buckets(requested, 12, compiled=False) == [1, 2, 4, 8, 12]
     buckets = tick_buckets(requested, 12, compiled=True)
     assert buckets == [2, 4, 8, 12]
-    assert _compilations([1, *buckets]) == 2  # what bucket 1 used to cost
-    assert _compilations(buckets) == 1
+    assert _compilations([(b, 16) for b in (1, *buckets)]) == 2  # what bucket 1 used to cost
+    assert _compilations([(b, 16) for b in buckets]) == 1
     assert tick_buckets((1, 2, 4), 1, compiled=True) == [1]  # one slot: nothing to pad to
     assert tick_buckets((1, 4), 6, compiled=True) == [2, 4, 6]
+
+
+def test_a_batch_first_seen_equal_to_another_dimension_is_not_tied_to_it(tmp_path: Path, monkeypatch):
+    """Mimi's transformer sees [batch, 2 time steps, ...]: in the 2-slot graph both are 2.  With
+    torch's duck sizing the two shared one symbol and the 4-slot graph compiled again."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    assert _compilations([(2, 2, 16), (4, 2, 16), (8, 2, 16)]) == 1
