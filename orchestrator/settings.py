@@ -269,14 +269,12 @@ class Settings:
     def resolved_device(self) -> str:
         if self.device == "cpu":
             return self.device
-        import torch  # only to probe for a GPU; the server itself never touches tensors
-
+        visible = visible_gpus()
         if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        if not torch.cuda.is_available():
+            return "cuda" if visible else "cpu"
+        if not visible:
             raise SettingsError(f"{env_name('device')}={self.device} but CUDA is not available here ({_no_cuda_why()}); "
                                 f"set {env_name('device')}=cpu, or auto to use a GPU when there is one")
-        visible = torch.cuda.device_count()
         index = int(self.device.split(":")[1]) if ":" in self.device else 0
         if index >= visible:
             raise SettingsError(f"{env_name('device')}={self.device} but {visible} CUDA device(s) are visible "
@@ -291,9 +289,7 @@ class Settings:
         wanted = parse_devices(self.devices)
         if not any(device.startswith("cuda") for device in wanted) and wanted != ["all"]:
             return wanted
-        import torch  # only to count the GPUs
-
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        visible = visible_gpus()
         if wanted == ["all"]:
             if visible == 0:
                 raise SettingsError(f"{env_name('devices')}=all but no CUDA device is visible ({_no_cuda_why()})")
@@ -432,6 +428,46 @@ def device_labels(devices: list[str]) -> list[str]:
     that serves more than one engine (``cpu,cpu``), so that every label is unique."""
     counts = Counter(devices)
     return [device if counts[device] == 1 else f"{device}#{index}" for index, device in enumerate(devices)]
+
+
+def visible_gpus() -> int:
+    """How many CUDA devices this process's engines could use.  Asked of the driver first
+    (``_driver_gpu_count``: milliseconds), so that the engine host, which only resolves the
+    devices, does not import torch (~3 s of every start on the H200, before any engine
+    process starts); torch answers whenever the driver does not say yes."""
+    count = _driver_gpu_count()
+    if count:
+        return count
+    import torch  # only to probe for a GPU; the server itself never touches tensors
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _driver_gpu_count() -> int | None:
+    """The CUDA driver's device count (it honours ``CUDA_VISIBLE_DEVICES`` as torch does), or
+    None when unsure: no driver, an error, or a torch built without CUDA (read from its
+    ``version.py``, not imported), which could not use a GPU the driver sees."""
+    import ctypes
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        version = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    except OSError:
+        return None
+    built_for = re.search(r"^cuda\b.*=\s*(.+)$", version, re.MULTILINE)
+    if built_for is None or built_for.group(1).strip() == "None":
+        return None
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        count = ctypes.c_int(0)
+        if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return count.value
 
 
 def _no_cuda_why() -> str:

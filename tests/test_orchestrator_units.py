@@ -355,3 +355,42 @@ def test_the_engine_thread_has_an_os_name():
     thread.start()
     thread.join()
     assert seen == ["ppengine-cpu#1"]
+
+
+def test_the_gpu_count_comes_from_the_driver_without_torch_when_it_can(tmp_path, monkeypatch):
+    """The engine host resolves devices with the CUDA driver's count (no torch import, ~3 s of
+    every start); unsure answers (no driver, a CPU-only torch) leave it to torch."""
+    import ctypes
+    import importlib.util
+
+    from orchestrator import settings as settings_module
+
+    package = tmp_path / "torch"
+    package.mkdir()
+    found = importlib.util.spec_from_file_location("torch", package / "__init__.py",
+                                                   submodule_search_locations=[str(package)])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: found if name == "torch" else None)
+
+    class Driver:
+        def __init__(self, path):
+            assert path == "libcuda.so.1"
+
+        def cuInit(self, flags):
+            return 0
+
+        def cuDeviceGetCount(self, count):
+            count._obj.value = 3
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", Driver)
+    (package / "version.py").write_text("cuda: Optional[str] = '13.0'\n")
+    assert settings_module._driver_gpu_count() == 3
+    (package / "version.py").write_text("cuda: Optional[str] = None\n")  # a CPU-only build
+    assert settings_module._driver_gpu_count() is None
+
+    def no_driver(path):
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    (package / "version.py").write_text("cuda: Optional[str] = '13.0'\n")
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    assert settings_module._driver_gpu_count() is None
