@@ -79,3 +79,28 @@ def test_garbage_after_good_pages_is_refused_on_either_sphn():
             decoder.feed(b"\x01\x02not a page" + good)
     finally:
         decoder.close()
+
+
+def test_the_codec_thread_encodes_a_ticks_frames_in_one_batch(speech_pcm):
+    """Several streams' frames in one job give the same pages as encoding each stream alone;
+    a stream's failure stays its own; decoding errors come back typed."""
+    from orchestrator.frontend.codec_thread import CodecThread
+
+    frames = (speech_pcm[: 6 * FRAME_SAMPLES].reshape(6, FRAME_SAMPLES) * 32767).astype(np.int16)
+    codec = CodecThread()
+    try:
+        streams = [OggOpusEncoder() for _ in range(3)]
+        alone = [OggOpusEncoder() for _ in range(3)]
+        for t in range(2):
+            batch = codec.encode([(streams[i], frames[2 * i + t]) for i in range(3)]).result(5)
+            assert batch == [alone[i].encode(frames[2 * i + t].astype(np.float32) / 32768.0) for i in range(3)]
+        mixed = codec.encode([(streams[0], frames[0]), (streams[1], frames[1][:100])]).result(5)
+        assert isinstance(mixed[0], bytes) and isinstance(mixed[1], ValueError)
+        decoder = OggOpusDecoder()
+        with pytest.raises(AudioError):
+            codec.decode(decoder, b"not an ogg stream").result(5)
+        decoder.close()
+    finally:
+        codec.stop()
+    with pytest.raises(RuntimeError):
+        codec.encode([]).result(1)
