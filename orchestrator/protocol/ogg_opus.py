@@ -14,10 +14,13 @@ pins 0.1):
   PCM, raising ``ValueError`` on bytes that are not Ogg/Opus.
 The classes below give one behaviour over both.
 
-Cost per stream on this project's 2-core CPU machine (2026-12-02, 50-200 frames of speech):
-encoding ~420 us of interpreter-held CPU per 80 ms frame (sphn 0.1.12 and 0.2.1 alike: neither
-releases the lock while encoding); decoding ~100 us per 80 ms of input with 0.2.1 on the
-caller's thread, off the caller's thread with 0.1.12.  Not yet measured on a server CPU.
+Cost per stream (2026-12-02, sphn 0.1.12, 500 frames; neither sphn version releases the
+interpreter lock while encoding):
+- the H200 machine's host CPU (Xeon, idle), a sine plus noise: encoding 1.12 ms per 80 ms
+  frame, decoding 0.13 ms per 80 ms (on sphn 0.1's own thread);
+- this project's 2-core CPU machine, idle, a sine: encoding ~0.42 ms; with the test suite
+  running beside it, 1.2-1.4 ms (speech the higher).
+So encoding is the native route's main CPU cost: at 152 sessions, ~2 cores in all.
 """
 
 from __future__ import annotations
