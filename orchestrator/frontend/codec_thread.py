@@ -4,8 +4,8 @@ One thread per worker runs every Ogg/Opus encode and decode of that worker's ``/
 sessions (``protocol/ogg_opus.py``).  Jobs queue up while the thread works; each wake-up
 takes all of them, so a tick's frames for every native session of the worker are one batch
 and one hand-back, not one per session.  sphn holds the interpreter lock while it encodes
-(~0.4 ms per 80 ms frame), so the loop still waits that long at most per call, but never
-for a whole tick's worth of sessions in a row.
+(0.4-1.1 ms per 80 ms frame): the loop can wait for one call plus the interpreter's switch
+interval, never for a whole tick's worth of sessions in a row.
 """
 
 from __future__ import annotations
