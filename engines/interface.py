@@ -42,6 +42,22 @@ class InvalidSessionSpec(EngineError):
     code = "invalid_voice"
 
 
+def check_voice_name(name: str) -> None:
+    """A voice is a bare ``.pt`` basename: no directories, no ``..``.  Here, not in
+    ``voices.py``, so that the front end (no torch) checks names with the same rule."""
+    if (
+        not isinstance(name, str)
+        or not name.endswith(".pt")
+        or len(name) <= 3
+        or "/" in name
+        or "\\" in name
+        or ".." in name
+        or name.startswith(".")
+        or "\x00" in name
+    ):
+        raise InvalidSessionSpec(f"invalid voice {name!r}: expected a bare '.pt' file name such as 'NATF2.pt'")
+
+
 class PrefillUnavailable(EngineError):
     """The voice bundle or tokenizer could not be read for this session."""
 

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from .errors import CheckpointError
-from .interface import InvalidSessionSpec, PrefillUnavailable
+from .interface import InvalidSessionSpec, PrefillUnavailable, check_voice_name
 
 log = logging.getLogger(__name__)
 
@@ -37,21 +37,6 @@ class VoicePrompt:
     def frames(self) -> int:
         """N: voice frames, including the first one whose call makes no model call."""
         return self.embeddings.shape[0] + 1
-
-
-def check_voice_name(name: str) -> None:
-    """A voice is a bare ``.pt`` basename: no directories, no ``..``."""
-    if (
-        not isinstance(name, str)
-        or not name.endswith(".pt")
-        or len(name) <= 3
-        or "/" in name
-        or "\\" in name
-        or ".." in name
-        or name.startswith(".")
-        or "\x00" in name
-    ):
-        raise InvalidSessionSpec(f"invalid voice {name!r}: expected a bare '.pt' file name such as 'NATF2.pt'")
 
 
 def parse_voice_file(data: dict, dim: int, num_streams: int, source: str) -> tuple[torch.Tensor, torch.Tensor]:

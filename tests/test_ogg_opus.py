@@ -55,12 +55,8 @@ def test_the_encoder_takes_frames_only():
 def test_bytes_that_are_not_ogg_are_a_typed_error():
     decoder = OggOpusDecoder()
     try:
-        with pytest.raises(AudioError) as raised:
-            deadline = time.monotonic() + 5.0
+        with pytest.raises(AudioError) as raised:  # on the spot, on either sphn (the page check)
             decoder.feed(b"RIFF\x00\x00\x00\x00WAVEfmt " + bytes(range(256)) * 8)
-            while time.monotonic() < deadline:
-                time.sleep(0.01)
-                decoder.poll()
         assert raised.value.code == "bad_audio"
         with pytest.raises(AudioError):  # and stays refused
             decoder.feed(OggOpusEncoder().encode(np.zeros(FRAME_SAMPLES, dtype=np.float32)))

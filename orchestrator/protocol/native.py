@@ -10,16 +10,13 @@ import math
 from collections.abc import Mapping
 
 from engines.config import DEFAULT_VOICE
-from engines.interface import SamplingParams, SessionSpec
+from engines.interface import InvalidSessionSpec, SamplingParams, SessionSpec, check_voice_name
 
 from .errors import ProtocolError
 
 HANDSHAKE, AUDIO, TEXT, CONTROL, METADATA, ERROR, PING = range(7)
 KINDS = frozenset(range(7))
 HANDSHAKE_MESSAGE = bytes([HANDSHAKE])  # what NVIDIA's server sends: the kind alone
-# Sent by NVIDIA's web client and ignored by NVIDIA's server; accepted and ignored here too.
-IGNORED_QUERY = frozenset({"pad_mult", "text_seed", "audio_seed", "repetition_penalty_context", "repetition_penalty",
-                           "worker_auth_id", "email"})
 MAX_ERROR_BYTES = 1000  # an error message's reason, UTF-8
 
 
@@ -29,7 +26,8 @@ def parse_query(args: Mapping[str, str], max_persona_chars: int | None = None) -
     (NVIDIA's server crashes on an empty one).  ``voice_prompt``: a voice file name, the
     server's default voice when absent.  ``seed``: -1 or absent = drawn by the server.
     Temperatures and top-k are honoured (NVIDIA's server ignores them); both temperatures 0
-    = greedy."""
+    = greedy.  Other keys (the stock client's ``pad_mult``, ``text_seed``, ``audio_seed``,
+    ``repetition_penalty*``, ``worker_auth_id``, ``email``) are ignored, as NVIDIA's server does."""
     if "text_prompt" not in args:
         raise ProtocolError("missing_text_prompt", "the query needs text_prompt (the persona; it may be empty)",
                             param="text_prompt")
@@ -38,9 +36,10 @@ def parse_query(args: Mapping[str, str], max_persona_chars: int | None = None) -
         raise ProtocolError("persona_too_long", f"text_prompt may have at most {max_persona_chars} characters, got "
                             f"{len(persona)}", param="text_prompt")
     voice = args.get("voice_prompt") or DEFAULT_VOICE
-    if "/" in voice or "\\" in voice or voice.startswith(".") or "\x00" in voice:
-        raise ProtocolError("invalid_voice", f"voice_prompt must be a voice file name, got {voice[:100]!r}",
-                            param="voice_prompt")
+    try:
+        check_voice_name(voice)
+    except InvalidSessionSpec as exc:
+        raise ProtocolError("invalid_voice", str(exc)[:300], param="voice_prompt") from None
     defaults = SamplingParams()
     temp_text = _number(args, "text_temperature", defaults.temp_text)
     temp_audio = _number(args, "audio_temperature", defaults.temp_audio)
