@@ -12,7 +12,9 @@
   ``SlotFault`` without outputs, the others' frames are stepped again), ``batch`` (a plain
   ``RuntimeError`` worded like a CUDA error: nobody can tell which session caused it),
   ``hang`` (the step sleeps ``seconds`` before running: a stuck tick for the watchdog),
-  ``restart`` (the victim's next context restart fails: its session cannot go on);
+  ``restart`` (the victim's next context restart fails: its session cannot go on),
+  ``slow_open`` (opening the slot, prompt included, takes ``seconds`` longer: a prompt that
+  is slow to run);
 - ``after``: fire on the victim slot's N-th step since it was opened (default 5), then every
   ``after`` steps, ``times`` times in all (default 1; 0 = no limit).
 
@@ -33,7 +35,7 @@ from engines.interface import Engine, EngineError, FrameOutput, SessionSpec, Slo
 
 log = logging.getLogger(__name__)
 
-MODES = ("slot", "slot_early", "batch", "hang", "restart")
+MODES = ("slot", "slot_early", "batch", "hang", "restart", "slow_open")
 
 
 class FaultPlanError(ValueError):
@@ -113,6 +115,10 @@ class FaultyEngine:
     def open_slot(self, spec: SessionSpec) -> int:
         slot = self.inner.open_slot(spec)
         plan = next((p for p in self.plans if p.persona in spec.persona), None)
+        if plan is not None and plan.mode == "slow_open":
+            self._fired(plan, slot)
+            time.sleep(plan.seconds)
+            plan = None  # nothing more happens to this slot
         if plan is not None:
             self._victims[slot] = _Victim(plan)
         else:

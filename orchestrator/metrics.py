@@ -29,25 +29,31 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FRAME_LATENCY_BUCKETS_S = (0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+PROTOCOLS = ("realtime", "native")  # the websocket protocols sessions are counted by
 
-# Counters: Metrics.inc name -> (family without _total, help, label or None).
-_COUNTERS: dict[str, tuple[str, str, str | None]] = {
-    "sessions_opened": ("personaplex_sessions_opened", "Sessions opened.", None),
-    "sessions_refused": ("personaplex_sessions_refused", "Opens refused with resource_exhausted.", None),
-    "sessions_closed": ("personaplex_sessions_closed", "Sessions closed, by reason.", "reason"),
-    "frames_in": ("personaplex_frames_in", "80 ms input frames stepped, by source.", "source"),
-    "frames_out": ("personaplex_frames_out", "80 ms output frames produced.", None),
+# Counters: Metrics.inc name -> (family without _total, help, label names).
+_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "sessions_opened": ("personaplex_sessions_opened", "Sessions opened, by protocol (realtime, native).",
+                        ("protocol",)),
+    "sessions_refused": ("personaplex_sessions_refused", "Opens refused with resource_exhausted.", ()),
+    "sessions_closed": ("personaplex_sessions_closed", "Sessions closed, by protocol and reason.",
+                        ("protocol", "reason")),
+    "frames_in": ("personaplex_frames_in", "80 ms input frames stepped, by source.", ("source",)),
+    "frames_out": ("personaplex_frames_out", "80 ms output frames produced.", ()),
     "frames_dropped": ("personaplex_frames_dropped", "Output frames dropped (cancelled epoch or closed session).",
-                       None),
-    "errors": ("personaplex_errors", "Error events sent, by code.", "code"),
+                       ()),
+    "errors": ("personaplex_errors", "Error events (native: error messages) sent, by code.", ("code",)),
     "tick_failures": ("personaplex_tick_failures", "Ticks where engine.step raised, by scope (slots: only named "
-                      "sessions failed; batch: all of the tick).", "scope"),
-    "tick_stalls": ("personaplex_tick_stalls", "Engine calls that ran past the watchdog deadline.", None),
+                      "sessions failed; batch: all of the tick).", ("scope",)),
+    "tick_stalls": ("personaplex_tick_stalls", "Engine calls that ran past the watchdog deadline.", ()),
     "connections_refused": ("personaplex_connections_refused", "Websockets refused before a session, by reason "
-                            "(auth, origin, limits, shutdown, stalled).", "reason"),
-    "events_dropped": ("personaplex_events_dropped", "Client events dropped by the per-socket rate limits.", None),
+                            "(auth, origin, limits, shutdown, stalled).", ("reason",)),
+    "events_dropped": ("personaplex_events_dropped", "Client events dropped by the per-socket rate limits.", ()),
+    "native_messages_dropped": ("personaplex_native_messages_dropped", "Messages of /api/chat clients dropped, by "
+                                "reason (empty, unknown_kind, unexpected_kind, text_frame, oversize, rate).",
+                                ("reason",)),
     "engine_restarts": ("personaplex_engine_restarts", "Engine processes that ended and were started again, by "
-                        "device.", "device"),
+                        "device.", ("device",)),
 }
 
 # Per-device gauges: (family suffix, its value from the device's status, help text).
@@ -75,8 +81,8 @@ class Metrics:
         self._prom = prom
         self.registry = prom.CollectorRegistry(auto_describe=True)
         reg = self.registry
-        self._counters = {name: prom.Counter(family, help_text, [label] if label else [], registry=reg)
-                          for name, (family, help_text, label) in _COUNTERS.items()}
+        self._counters = {name: prom.Counter(family, help_text, list(labels), registry=reg)
+                          for name, (family, help_text, labels) in _COUNTERS.items()}
         self._ticks = prom.Counter("personaplex_ticks", "Lockstep ticks run.", registry=reg)
         self._tick_seconds = prom.Histogram("personaplex_tick_duration_seconds", "Engine time of one batched tick.",
                                             buckets=TICK_BUCKETS_S, registry=reg)
@@ -102,9 +108,8 @@ class Metrics:
                                            self._device_tick_seconds, self._device_batch, self._frame_latency,
                                            self._loop_lag, self._loop_tasks, self._batch_fill)
                           for m in metric.describe()]
-        for name in ("frames_out", "frames_dropped", "sessions_opened", "sessions_refused", "tick_stalls",
-                     "events_dropped"):
-            self._counters[name]  # unlabelled: listed from the start
+        for protocol in PROTOCOLS:  # listed from the start, as the unlabelled counters are
+            self._counters["sessions_opened"].labels(protocol)
         # Gauges read at scrape time from this worker's view of the engines.
         self.live_sessions: Callable[[], int] = lambda: 0
         self.free_slots: Callable[[], int] = lambda: 0
@@ -116,9 +121,13 @@ class Metrics:
         self.registry.register(_ScrapeGauges(self))
 
     # Recording ----------------------------------------------------------------------------------
-    def inc(self, name: str, label: str | None = None, n: int = 1) -> None:
+    def inc(self, name: str, label: str | tuple[str, ...] | None = None, n: int = 1) -> None:
+        """Add ``n`` to a counter; ``label``: its label value, or values in declared order."""
         counter = self._counters[name]
-        (counter.labels(label) if label is not None else counter).inc(n)
+        if label is None:
+            counter.inc(n)
+        else:
+            counter.labels(*((label,) if isinstance(label, str) else label)).inc(n)
 
     def observe_tick(self, seconds: float, batch: int, silence_frames: int, device: str | None = None,
                      live: int | None = None) -> None:

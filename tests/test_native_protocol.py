@@ -35,7 +35,7 @@ def test_seed_temperatures_and_defaults():
 
 @pytest.mark.parametrize(("query", "code", "param"), [
     ({}, "missing_text_prompt", "text_prompt"),
-    ({"text_prompt": "x" * 11}, "persona_too_long", "text_prompt"),
+    ({"text_prompt": "x" * 11}, "text_prompt_too_long", "text_prompt"),
     ({"text_prompt": "", "voice_prompt": "../secrets.pt"}, "invalid_voice", "voice_prompt"),
     ({"text_prompt": "", "voice_prompt": ".hidden.pt"}, "invalid_voice", "voice_prompt"),
     ({"text_prompt": "", "seed": "abc"}, "bad_query", "seed"),

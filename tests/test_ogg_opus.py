@@ -27,9 +27,19 @@ def _decode_all(decoder: OggOpusDecoder, chunks: list[bytes], expected: int, wai
 def test_speech_survives_the_round_trip_in_any_chunking(speech_pcm):
     frames = speech_pcm[: 50 * FRAME_SAMPLES].reshape(50, FRAME_SAMPLES)
     encoder = OggOpusEncoder()
-    pages = [encoder.encode(frame) for frame in frames]
-    assert pages[0].startswith(b"OggS") and b"OpusHead" in pages[0] and b"OpusTags" in pages[0]
-    assert all(page.startswith(b"OggS") and b"OpusHead" not in page for page in pages[1:])
+    per_frame = [encoder.encode(frame) for frame in frames]
+    # The headers, then the frame's pages: sphn 0.1 (what NVIDIA's server runs) writes one
+    # 80 ms packet on one page, 0.2 two 40 ms packets on a page each.
+    per_page = len(per_frame[1])
+    assert per_page in (1, 2) and [len(pages) for pages in per_frame] == [2 + per_page] + [per_page] * 49
+    assert per_frame[0][0].startswith(b"OggS\x00\x02") and b"OpusHead" in per_frame[0][0]
+    assert b"OpusTags" in per_frame[0][1]
+    pages = [page for frame_pages in per_frame for page in frame_pages]
+    assert all(page.startswith(b"OggS") for page in pages)
+    for page in pages[2:]:  # one packet per page: only the last lacing value is < 255
+        lacing = page[27: 27 + page[26]]
+        assert [v < 255 for v in lacing] == [False] * (len(lacing) - 1) + [True]
+        assert len(page) == 27 + len(lacing) + sum(lacing)
     stream = b"".join(pages)
     rng = np.random.default_rng(0)
     cuts = np.sort(rng.choice(np.arange(1, len(stream)), size=40, replace=False))
@@ -59,7 +69,7 @@ def test_bytes_that_are_not_ogg_are_a_typed_error():
             decoder.feed(b"RIFF\x00\x00\x00\x00WAVEfmt " + bytes(range(256)) * 8)
         assert raised.value.code == "bad_audio"
         with pytest.raises(AudioError):  # and stays refused
-            decoder.feed(OggOpusEncoder().encode(np.zeros(FRAME_SAMPLES, dtype=np.float32)))
+            decoder.feed(b"".join(OggOpusEncoder().encode(np.zeros(FRAME_SAMPLES, dtype=np.float32))))
     finally:
         decoder.close()
 
@@ -68,7 +78,7 @@ def test_garbage_after_good_pages_is_refused_on_either_sphn():
     """sphn 0.1 would skip to the next page silently and 0.2 raise: both refuse here."""
     encoder, decoder = OggOpusEncoder(), OggOpusDecoder()
     try:
-        good = b"".join(encoder.encode(np.zeros(FRAME_SAMPLES, dtype=np.float32)) for _ in range(3))
+        good = b"".join(b"".join(encoder.encode(np.zeros(FRAME_SAMPLES, dtype=np.float32))) for _ in range(3))
         decoder.feed(good[:50])
         decoder.feed(good[50:])
         with pytest.raises(AudioError, match="OggS"):
@@ -77,26 +87,54 @@ def test_garbage_after_good_pages_is_refused_on_either_sphn():
         decoder.close()
 
 
-def test_the_codec_thread_encodes_a_ticks_frames_in_one_batch(speech_pcm):
-    """Several streams' frames in one job give the same pages as encoding each stream alone;
-    a stream's failure stays its own; decoding errors come back typed."""
+def test_the_codec_thread_batches_encodes_and_hands_decoded_audio_back(speech_pcm):
+    """Frames asked for in one pass of the loop are one job: the pages equal encoding each
+    stream alone, in order; one stream's failure stays its own.  Decoding hands back all
+    the PCM (sphn 0.1 decodes on a thread of its own: the codec thread polls it), and a
+    stream that is not Ogg its typed error."""
+    import asyncio
+
     from orchestrator.frontend.codec_thread import CodecThread
+    from orchestrator.protocol.ogg_opus import split_pages
 
     frames = (speech_pcm[: 6 * FRAME_SAMPLES].reshape(6, FRAME_SAMPLES) * 32767).astype(np.int16)
-    codec = CodecThread()
-    try:
-        streams = [OggOpusEncoder() for _ in range(3)]
-        alone = [OggOpusEncoder() for _ in range(3)]
-        for t in range(2):
-            batch = codec.encode([(streams[i], frames[2 * i + t]) for i in range(3)]).result(5)
-            assert batch == [alone[i].encode(frames[2 * i + t].astype(np.float32) / 32768.0) for i in range(3)]
-        mixed = codec.encode([(streams[0], frames[0]), (streams[1], frames[1][:100])]).result(5)
-        assert isinstance(mixed[0], bytes) and isinstance(mixed[1], ValueError)
-        decoder = OggOpusDecoder()
-        with pytest.raises(AudioError):
-            codec.decode(decoder, b"not an ogg stream").result(5)
-        decoder.close()
-    finally:
-        codec.stop()
-    with pytest.raises(RuntimeError):
-        codec.encode([]).result(1)
+
+    async def scenario():
+        codec = CodecThread(asyncio.get_running_loop())
+        got: dict[int, list] = {0: [], 1: [], 2: []}
+        try:
+            streams = [OggOpusEncoder() for _ in range(3)]
+            for t in range(2):
+                for i in range(3):
+                    codec.encode(streams[i], frames[2 * i + t], got[i].append)
+            codec.encode(streams[0], frames[0][:100], got[0].append)  # not a frame: this stream's error
+            codec.encode(streams[1], frames[5], got[1].append)
+            while sum(map(len, got.values())) < 8:
+                await asyncio.sleep(0.01)
+            for i in range(3):
+                alone = OggOpusEncoder()
+                want = [alone.encode(frames[2 * i + t].astype(np.float32) / 32768.0) for t in range(2)]
+                assert got[i][:2] == want
+            assert isinstance(got[0][2], ValueError) and isinstance(got[1][2], list)
+
+            stream = b"".join(page for pages in got[2][:2] for page in pages)
+            assert split_pages(stream) == [page for pages in got[2][:2] for page in pages]
+            decoded: list = []
+            decoder = OggOpusDecoder()
+            for cut in range(0, len(stream), 100):
+                codec.decode(decoder, stream[cut:cut + 100], decoded.append)
+            deadline = time.monotonic() + 5
+            while sum(len(x) for x in decoded) < 2 * FRAME_SAMPLES and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert sum(len(x) for x in decoded) == 2 * FRAME_SAMPLES
+            codec.close(decoder)
+
+            refused: list = []
+            codec.decode(OggOpusDecoder(), b"not an ogg stream", refused.append)
+            while not refused:
+                await asyncio.sleep(0.01)
+            assert isinstance(refused[0], AudioError) and refused[0].code == "bad_audio"
+        finally:
+            codec.stop()
+
+    asyncio.run(scenario())

@@ -175,7 +175,7 @@ def test_disconnect_frees_slot_and_events_before_open_are_queued(orch_server: Se
             orch_server.wait_free_slots(2, timeout=5)
 
     run(scenario())
-    assert orch_server.metric('personaplex_sessions_closed_total{reason="disconnect"}') >= 2
+    assert orch_server.metric('personaplex_sessions_closed_total{protocol="realtime",reason="disconnect"}') >= 2
 
 
 @pytest.mark.parametrize("codec,rate", [("pcm16", 16000), ("pcm_f32le", 48000), ("g711_ulaw", 8000)])
@@ -343,7 +343,7 @@ def test_client_that_stops_reading_is_closed_and_others_go_on(orch_tuned_server:
                                                 "ping_interval": None})
         frames = speech_frames(20)
         chunk = f32_append(np.tile(frames.reshape(-1), 3))  # 60 frames, within the input budget
-        closed = 'personaplex_sessions_closed_total{reason="output_backpressure"}'
+        closed = 'personaplex_sessions_closed_total{protocol="realtime",reason="output_backpressure"}'
         deadline = time.monotonic() + 120
         reader_sent = 0
         while not orch_tuned_server.metric(closed):

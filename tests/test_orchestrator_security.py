@@ -18,6 +18,7 @@ from orchestrator.frontend.access import AccessPolicy
 from orchestrator.frontend.limits import ClientLimits, EventRate
 from orchestrator.frontend.listeners import ListenerWatch, bind_host, find_listeners, is_loopback
 from orchestrator.settings import Settings, SettingsError
+from tests.native_support import NativeClient, chat_url, ogg_pages
 from tests.orch_support import REPO, Client, Server, f32_append, run, speech_frames
 
 KEYS = ("key-a", "key-b", "key-c")
@@ -172,6 +173,40 @@ def test_event_rate_limit_drops_a_flood_and_the_session_goes_on(public_server: S
 
     run(scenario())
     assert public_server.metric("personaplex_events_dropped_total") >= before + 100
+
+
+def test_the_native_route_has_the_same_gate_and_limits(public_server: Server):
+    """``/api/chat`` sits behind the Realtime route's gate.  NVIDIA's page can only put a key
+    in its URL (``?api_key=``); served from elsewhere (its ``?worker_addr=``) its origin must
+    be allowed; the per-key limit counts the sessions of both protocols."""
+    public_server.wait_free_slots(3)
+
+    def chat(key: str | None) -> str:
+        return chat_url(public_server.ws, text_prompt="", voice_prompt="NATF2.pt",
+                        **({"api_key": key} if key else {}))
+
+    async def status(url: str, **kwargs) -> int:
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            await NativeClient.connect(url, additional_headers={"X-Forwarded-For": next(_ADDRESSES)}, **kwargs)
+        return refused.value.response.status_code
+
+    async def scenario():
+        assert await status(chat(None)) == 401
+        assert await status(chat("not-a-key")) == 401
+        assert await status(chat("key-a"), origin="https://evil.example") == 403
+        page = await NativeClient.connect(chat("key-a"), origin="https://app.example",
+                                          additional_headers={"X-Forwarded-For": next(_ADDRESSES)})
+        await page.handshake()
+        realtime = await connect(public_server, key="key-a")  # the same key on the other route
+        assert (await realtime.next("error"))["error"]["code"] == "session_limit_exceeded"
+        second = await NativeClient.connect(chat("key-a"), additional_headers={"X-Forwarded-For": next(_ADDRESSES)})
+        assert await second.wait_closed() == (1013, "session_limit_exceeded")
+        assert second.errors[0].startswith("session_limit_exceeded: ")
+        await page.send_pages(ogg_pages(speech_frames(4)))
+        await page.wait_for(lambda: page.audio_frames() >= 4)
+        await page.close()
+
+    run(scenario())
 
 
 def test_public_server_without_keys_refuses_to_start():

@@ -1,46 +1,80 @@
 """Opus work of a front-end worker's native sessions, off its event loop.
 
 One thread per worker runs every Ogg/Opus encode and decode of that worker's ``/api/chat``
-sessions (``protocol/ogg_opus.py``).  Jobs queue up while the thread works; each wake-up
-takes all of them, so a tick's frames for every native session of the worker are one batch
-and one hand-back, not one per session.  sphn holds the interpreter lock while it encodes
-(0.4-1.1 ms per 80 ms frame): the loop can wait for one call plus the interpreter's switch
-interval, never for a whole tick's worth of sessions in a row.
+sessions (``protocol/ogg_opus.py``).  Work is asked for from the event loop and gathered
+there until the loop's current pass ends (``call_soon``): a tick's output frames, handed to
+the sessions in one go, become one job for the thread, and client audio that arrived in the
+same pass another.  The thread takes every job queued when it wakes and hands all their
+results back in one loop callback, where each result goes to the callback it was asked with.
+
+sphn 0.1 decodes on a thread of its own per stream: ``feed`` only queues the bytes, so the
+PCM comes later.  Decoders with packets still in flight are polled here every ``POLL_S``
+(a cheap non-blocking read) until their packets are out, or until ``STALE_S`` passes
+without progress (a stream whose packets sphn skips, such as a second OpusTags).
+
+sphn holds the interpreter lock while it encodes (0.4-1.1 ms per 80 ms frame): the loop can
+wait for one call plus the interpreter's switch interval, never for a whole batch in a row.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
+import logging
 import threading
-from collections import deque
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ..protocol.audio import AudioError
 from ..protocol.ogg_opus import OggOpusDecoder, OggOpusEncoder
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.001  # how often decoders with packets in flight are read (sphn 0.1)
+STALE_S = 0.25  # a decoder that hands nothing back for this long is no longer polled
+
+Done = Callable[[Any], None]  # runs on the event loop with the result (or the exception)
 
 
 class CodecThread:
-    def __init__(self, name: str = "personaplex-opus") -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str = "personaplex-opus") -> None:
+        self._loop = loop
         self._cond = threading.Condition()
-        self._jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._jobs: list[Callable[[], list[tuple[Done, Any]]]] = []  # guarded by _cond
         self._stopping = False
+        # Gathered on the loop until its pass ends (loop thread only).
+        self._encodes: list[tuple[OggOpusEncoder, np.ndarray, Done]] = []
+        self._decodes: list[tuple[OggOpusDecoder, bytes, Done]] = []
+        # Decoders whose packets sphn 0.1 is still decoding (codec thread only):
+        # decoder -> (its callback, when it last handed something back).
+        self._in_flight: dict[OggOpusDecoder, tuple[Done, float]] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def encode(self, frames: Sequence[tuple[OggOpusEncoder, np.ndarray]]) -> concurrent.futures.Future:
-        """Encode one frame (int16 or float32 [1920]) for each (stream, frame); the future gives
-        the pages of each, in order (an exception in place of a stream's pages if it failed)."""
-        return self._submit(lambda: [_encoded(encoder, pcm) for encoder, pcm in frames])
+    # Asked for on the event loop -------------------------------------------------------------
+    def encode(self, encoder: OggOpusEncoder, pcm: np.ndarray, done: Done) -> None:
+        """Encode one frame (int16 or float32 [1920]); ``done`` gets the list of pages (or the
+        exception).  Frames of one stream are encoded in the order asked."""
+        if not self._encodes:
+            self._loop.call_soon(self._submit_encodes)
+        self._encodes.append((encoder, pcm, done))
 
-    def decode(self, decoder: OggOpusDecoder, data: bytes) -> concurrent.futures.Future:
-        """Feed ``data`` to ``decoder``; the future gives the PCM ready so far (or its AudioError)."""
-        return self._submit(lambda: decoder.feed(data))
+    def decode(self, decoder: OggOpusDecoder, data: bytes, done: Done) -> None:
+        """Feed ``data`` to ``decoder``; ``done`` gets each piece of PCM as it is decoded
+        (possibly several calls, possibly empty) or the ``AudioError`` that ends the stream."""
+        if not self._decodes:
+            self._loop.call_soon(self._submit_decodes)
+        self._decodes.append((decoder, data, done))
 
-    def poll(self, decoder: OggOpusDecoder) -> concurrent.futures.Future:
-        """PCM that sphn 0.1's own decoding thread finished since the last call."""
-        return self._submit(decoder.poll)
+    def close(self, decoder: OggOpusDecoder) -> None:
+        """The session is over: stop polling ``decoder`` and end sphn 0.1's decoding thread."""
+        def job() -> list[tuple[Done, Any]]:
+            self._in_flight.pop(decoder, None)
+            decoder.close()
+            return []
+        self._submit(job)
 
     def stop(self, timeout: float = 5.0) -> None:
         with self._cond:
@@ -48,34 +82,83 @@ class CodecThread:
             self._cond.notify()
         self._thread.join(timeout)
 
-    def _submit(self, job: Callable[[], Any]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    def _submit_encodes(self) -> None:
+        batch, self._encodes = self._encodes, []
+        self._submit(lambda: [(done, _encoded(encoder, pcm)) for encoder, pcm, done in batch])
+
+    def _submit_decodes(self) -> None:
+        batch, self._decodes = self._decodes, []
+        self._submit(lambda: [result for decoder, data, done in batch
+                              if (result := self._feed(decoder, data, done)) is not None])
+
+    def _submit(self, job: Callable[[], list[tuple[Done, Any]]]) -> None:
         with self._cond:
             if self._stopping:
-                future.set_exception(RuntimeError("the codec thread has stopped"))
-                return future
-            self._jobs.append((job, future))
+                return  # serving has stopped: nobody waits for results any more
+            self._jobs.append(job)
             self._cond.notify()
-        return future
 
+    def _hand_back(self, results: list[tuple[Done, Any]]) -> None:
+        for done, value in results:
+            try:
+                done(value)
+            except Exception:  # noqa: BLE001 - one session's failure must not lose the others' results
+                log.exception("a native session failed to take its Opus result")
+
+    # On the codec thread ---------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._jobs and not self._stopping:
-                    self._cond.wait()
-                if self._stopping and not self._jobs:
+                if not self._jobs and not self._stopping:
+                    self._cond.wait(POLL_S if self._in_flight else None)
+                if self._stopping:
                     return
-                batch, self._jobs = self._jobs, deque()
-            for job, future in batch:
-                if not future.set_running_or_notify_cancel():
-                    continue
+                jobs, self._jobs = self._jobs, []
+            results: list[tuple[Done, Any]] = []
+            for job in jobs:
                 try:
-                    future.set_result(job())
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                    future.set_exception(exc)
+                    results.extend(job())
+                except Exception:  # noqa: BLE001 - a job's own errors go to its callbacks
+                    log.exception("an Opus job failed")
+            if self._in_flight:
+                results.extend(self._poll_in_flight())
+            if results:
+                try:
+                    self._loop.call_soon_threadsafe(self._hand_back, results)
+                except RuntimeError:  # the loop has closed: serving is over
+                    return
+
+    def _feed(self, decoder: OggOpusDecoder, data: bytes, done: Done) -> tuple[Done, Any] | None:
+        """Feed one chunk; the result to hand back, if there is one yet."""
+        try:
+            pcm: Any = decoder.feed(data)
+        except AudioError as exc:
+            self._in_flight.pop(decoder, None)
+            return done, exc
+        if decoder.waiting:
+            since = self._in_flight[decoder][1] if decoder in self._in_flight else time.monotonic()
+            self._in_flight[decoder] = (done, since if not len(pcm) else time.monotonic())
+        return (done, pcm) if len(pcm) else None
+
+    def _poll_in_flight(self) -> list[tuple[Done, Any]]:
+        results: list[tuple[Done, Any]] = []
+        now = time.monotonic()
+        for decoder, (done, since) in list(self._in_flight.items()):
+            try:
+                pcm: Any = decoder.poll()
+            except AudioError as exc:
+                pcm = exc
+            if len(pcm) if isinstance(pcm, np.ndarray) else True:
+                results.append((done, pcm))
+                since = now
+            if isinstance(pcm, AudioError) or not decoder.waiting or now - since > STALE_S:
+                del self._in_flight[decoder]
+            else:
+                self._in_flight[decoder] = (done, since)
+        return results
 
 
-def _encoded(encoder: OggOpusEncoder, pcm: np.ndarray) -> bytes | Exception:
+def _encoded(encoder: OggOpusEncoder, pcm: np.ndarray) -> list[bytes] | Exception:
     if pcm.dtype == np.int16:
         pcm = pcm.astype(np.float32) / 32768.0
     try:

@@ -20,29 +20,21 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import time
 from typing import Any, Mapping
-
-from engines.interface import EngineError
 
 from ..protocol import events as ev
 from ..protocol import json_codec
 from ..protocol.client_events import CLOSE_EVENTS, client_event_id, decode_event
 from ..protocol.errors import ProtocolError
 from ..protocol.session_config import SessionConfig, parse_session_update, session_payload
+from .close_codes import REFUSAL_CLOSE_CODES, REFUSAL_DEFAULT, SESSION_CLOSE_CODES, close_socket
 from .engine_pool import DeviceEngine
 from .limits import EventRate
 from .services import Services
-from .session import Session
+from .session import Session, send_outbox
 
 log = logging.getLogger(__name__)
 
-# Close code per close reason; anything else ends normally (1000), as the reference does.
-_CLOSE_CODES = {"output_backpressure": 1008, "engine_error": 1011, "transport_error": 1011, "shutdown": 1001}
-# Handshake refusals that are not the client's fault: 1013 = try again later, 1001 = going away.
-_REFUSAL_CLOSE_CODES = {"resource_exhausted": 1013, "session_limit_exceeded": 1013, "open_rate_limited": 1013,
-                        "engine_stalled": 1013, "server_shutting_down": 1001}
-_MAX_CLOSE_REASON_BYTES = 123  # RFC 6455
 _TIMEOUT = object()  # handshake receive outcomes other than a message
 _SHUTDOWN = object()
 
@@ -81,7 +73,7 @@ class Connection:
         session = await self._open(first_event)
         if session is None:
             return
-        sender = asyncio.ensure_future(self._send_loop(session))
+        sender = asyncio.ensure_future(send_outbox(self.ws, session, self.services.metrics))
         try:
             reason = self._run_events(session, held) or await self._serve(session)
             await self._finish(session, reason, sender)
@@ -169,33 +161,12 @@ class Connection:
             await self._refuse(exc, eid)
             return None
         session_id = ev.new_session_id()
-        refused_by: list[DeviceEngine] = []  # engine processes that turned this open down as full
-        while True:
-            try:
-                engine = self._engine = services.place_session(refused_by)  # holds an admission slot from here
-            except ProtocolError as exc:  # nowhere (else) to go: counted as refused there
-                await self._refuse(exc, eid)
-                return None
-            try:
-                await services.pool.wait_ready(engine, self.settings.ready_wait_s)
-                await asyncio.wrap_future(engine.open(session_id, config.spec()))
-                break
-            except asyncio.CancelledError:
-                # The client left while the slot was being prepared; the open may still complete
-                # in the engine thread, so close by id: that frees whatever was allocated.
-                engine.close(session_id)
-                raise
-            except Exception as exc:  # noqa: BLE001 - a failed open allocated no engine slot
-                engine.cancel_admission()
-                error = _open_error(exc)
-                if error.code == "resource_exhausted":
-                    # An engine process's own admission said no: this worker's view of it was a
-                    # heartbeat old.  Another device may still have room.
-                    refused_by.append(engine)
-                    log.info("session %s: %s is full; placing it again", session_id, engine.label)
-                    continue
-                await self._refuse(error, eid)
-                return None
+        try:
+            self._engine = await services.open_session(session_id, config.spec())
+        except ProtocolError as exc:
+            await self._refuse(exc, eid)
+            return None
+        engine = self._engine
         if not config.model:
             config = dataclasses.replace(config, model=services.model_name)
         session = Session(session_id, config, scheduler=engine.scheduler, settings=self.settings,
@@ -203,7 +174,7 @@ class Connection:
         services.sessions[session_id] = session
         if services.draining:  # the drain began while the slot was being prepared
             session.request_stop("shutdown")
-        services.metrics.inc("sessions_opened")
+        services.metrics.inc("sessions_opened", "realtime")
         log.info("session %s opened on %s (voice=%s)", session_id, engine.label, config.voice)
         session.emit({"type": "session.created", "session": session.public()}, journal=False)
         session.emit({"type": "session.updated", "session": session.public()})
@@ -251,47 +222,18 @@ class Connection:
             if receive is not None:
                 receive.cancel()
 
-    async def _send_loop(self, session: Session) -> None:
-        outbox = session.outbox
-        metrics = self.services.metrics
-        device = session.scheduler.device or "default"
-        try:
-            while True:
-                text, answers = await outbox.get()
-                await self.ws.send(text)
-                outbox.sent(text)
-                if answers:  # an audio delta: the client frames it answers have their output out
-                    now = time.monotonic()
-                    for arrival in answers:
-                        metrics.observe_frame_latency(device, now - arrival)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the transport is gone
-            log.info("session %s: send failed (%s)", session.id, exc)
-            session.request_stop("transport_error")
-
     # Closing ----------------------------------------------------------------------------------
     def _release(self, session: Session, reason: str) -> concurrent.futures.Future:
         """Stop the session and free its engine slot (once); admission follows the engine."""
-        if self._cleanup is not None:
-            return self._cleanup
-        services = self.services
-        session.begin_close()
-        services.sessions.pop(session.id, None)
-        services.metrics.inc("sessions_closed", reason)
-        assert self._engine is not None  # a session exists only once placed on an engine
-        self._cleanup = self._engine.close(session.id)
-        log.info("session %s closed (%s)", session.id, reason)
+        if self._cleanup is None:
+            assert self._engine is not None  # a session exists only once placed on an engine
+            self._cleanup = self.services.close_session(session, self._engine, "realtime", reason)
         return self._cleanup
 
     async def _finish(self, session: Session, reason: str, sender: asyncio.Future) -> None:
         """Orderly close: free the slot, then ``session.closed``, flush, close frame."""
         timeout = self.settings.close_timeout_s
-        cleanup = self._release(session, reason)
-        try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cleanup)), timeout)
-        except Exception:  # noqa: BLE001 - session.closed goes out regardless (reference behaviour)
-            log.warning("session %s: engine cleanup did not finish within %.1f s", session.id, timeout)
+        await self.services.wait_closed(session.id, self._release(session, reason))  # then (reference) the event
         session.emit({"type": "session.closed", "session_id": session.id, "reason": reason,
                       "event": {"type": "session.close", "reason": reason}}, force=True)
         try:
@@ -299,7 +241,7 @@ class Connection:
         except asyncio.TimeoutError:
             log.info("session %s: client did not read its last events; closing anyway", session.id)
         sender.cancel()
-        await self._close_socket(_CLOSE_CODES.get(reason, 1000), reason)
+        await self._close_socket(SESSION_CLOSE_CODES.get(reason, 1000), reason)
 
     # Sending outside a session (handshake) ----------------------------------------------------
     async def _send_json(self, payload: dict[str, Any]) -> None:
@@ -331,27 +273,12 @@ class Connection:
         """A handshake failure: one error event, then close the socket (1008; 1013 = try again
         later, 1001 = going away)."""
         await self._send_direct(error, client_id)
-        await self._close_socket(_REFUSAL_CLOSE_CODES.get(error.code, 1008), error.code)
+        await self._close_socket(REFUSAL_CLOSE_CODES.get(error.code, REFUSAL_DEFAULT), error.code)
 
     async def _close_socket(self, code: int, reason: str) -> None:
-        reason_bytes = reason.encode("utf-8")[:_MAX_CLOSE_REASON_BYTES]
-        try:
-            await asyncio.wait_for(self.ws.close(code, reason_bytes.decode("utf-8", "ignore")),
-                                   self.settings.close_timeout_s)
-        except Exception:  # noqa: BLE001
-            pass
+        await close_socket(self.ws, code, reason, self.settings.close_timeout_s)
 
 
 def _size(message: Any) -> int:
     """Length of a websocket message (characters of text: the cheap, close-enough measure)."""
     return len(message) if isinstance(message, (str, bytes)) else 0
-
-
-def _open_error(exc: Exception) -> ProtocolError:
-    """The client-facing error of a failed open (engine errors carry their protocol code)."""
-    if isinstance(exc, ProtocolError):
-        return exc
-    if isinstance(exc, EngineError):
-        return ProtocolError(exc.code, str(exc), param="voice" if exc.code == "invalid_voice" else None)
-    log.exception("opening a session failed", exc_info=exc)
-    return ProtocolError("engine_error", f"opening the session failed: {type(exc).__name__}")

@@ -1,4 +1,5 @@
-"""The Quart application: HTTP status routes and the realtime websocket routes.
+"""The Quart application: HTTP status routes and the websocket routes (``/v1/realtime``,
+``/v1/duplex``: the Realtime protocol; ``/api/chat``: PersonaPlex's native protocol).
 
 Handlers here only read bookkeeping and hand websockets to ``Connection``; no tensor and no
 engine call is ever made on the event loop.
@@ -16,6 +17,7 @@ from ..protocol.errors import ProtocolError
 from ..settings import Settings, StartupError
 from .access import Caller
 from .connection import Connection
+from .native_connection import NativeConnection
 from .services import EngineFactory, Services
 from .start_failure import end_start_up
 from .web import register_web
@@ -111,18 +113,23 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory |
 
     async def serve_duplex():
         svc = services()
-        caller = _gate(svc)
-        if isinstance(caller, Response):
-            return caller
-        if svc.settings.refuse_when_full == "http":
-            refused = _placement_gate(svc)
-            if refused is not None:
-                return refused
-        await websocket.accept(subprotocol=caller.subprotocol)
-        address = svc.access.client_address(websocket.scope, websocket.headers)
+        client = await _accept(svc)
+        if isinstance(client, Response):
+            return client
         model = request_arg("model", "") or None
         autostart = request_arg("autostart", "").lower() in _ON
-        await Connection(websocket, svc, url_model=model, autostart=autostart, client=(address, caller.key_id)).run()
+        await Connection(websocket, svc, url_model=model, autostart=autostart, client=client).run()
+        return None
+
+    @app.websocket("/api/chat")
+    async def native_chat():
+        """NVIDIA's PersonaPlex protocol: the same gate as the Realtime route (origin, API key,
+        ``PERSONAPLEX_REFUSE_WHEN_FULL=http``), then ``NativeConnection``."""
+        svc = services()
+        client = await _accept(svc)
+        if isinstance(client, Response):
+            return client
+        await NativeConnection(websocket, svc, client=client).run(websocket.args)
         return None
 
     register_web(app, services)  # the browser page and /v1/voices (web.py)
@@ -131,6 +138,21 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory |
 
 def request_arg(name: str, default: str) -> str:
     return websocket.args.get(name, default)
+
+
+async def _accept(svc: Services) -> tuple[str, str | None] | Response:
+    """Both websocket routes: the gate, then (``PERSONAPLEX_REFUSE_WHEN_FULL=http``) the
+    placement check, then the upgrade.  The caller (address, API key digest) for the
+    per-client limits, or the HTTP reply that refuses it."""
+    caller = _gate(svc)
+    if isinstance(caller, Response):
+        return caller
+    if svc.settings.refuse_when_full == "http":
+        refused = _placement_gate(svc)
+        if refused is not None:
+            return refused
+    await websocket.accept(subprotocol=caller.subprotocol)
+    return svc.access.client_address(websocket.scope, websocket.headers), caller.key_id
 
 
 def _gate(svc: Services) -> Caller | Response:

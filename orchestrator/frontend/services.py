@@ -16,6 +16,7 @@ live session ends with ``session.closed`` reason ``shutdown`` (close code 1001).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import socket
@@ -23,6 +24,8 @@ import sys
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
+
+from engines.interface import EngineError, SessionSpec
 
 from ..engine_host.launch import ensure_host
 from ..fault_injection import with_fault_injection
@@ -36,6 +39,8 @@ from .access import AccessPolicy
 from .engine_pool import DeviceEngine, EngineFactory, EnginePool
 from .limits import ClientLimits, Refusal
 from .listeners import ListenerWatch, find_listeners
+from .codec_thread import CodecThread
+from .native_session import NativeSession
 from .session import Session
 
 log = logging.getLogger(__name__)
@@ -62,7 +67,8 @@ class Services:
         self.draining = False
         self.shutdown_started = asyncio.Event()
         self._tasks: list[asyncio.Future] = []
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, Session | NativeSession] = {}  # open sessions of both protocols, by id
+        self._codec: CodecThread | None = None  # the native sessions' Opus work, from the first one on
         self.in_process = engine_factory is not None or settings.engine_host == "thread"
         # One worker logs what concerns the whole server (the one that started the engine host).
         self.speaks_for_server = self.in_process
@@ -136,6 +142,8 @@ class Services:
         self.drain("serving stopped")
         for task in self._tasks:
             task.cancel()
+        if self._codec is not None:
+            self._codec.stop()
         self.pool.stop()
 
     def drain(self, why: str) -> None:
@@ -209,6 +217,56 @@ class Services:
             self.count_refusal(reason)
             raise error
         return self.pool.acquire(exclude)
+
+    async def open_session(self, session_id: str, spec: SessionSpec) -> DeviceEngine:
+        """Place a new session and open it on its engine (its prompt installed); the engine it
+        lives on.  An engine process that turns the open down as full (this worker's view of it
+        was a heartbeat old) is left out and the session placed again; refused with a
+        ``ProtocolError`` only when no engine can take it."""
+        refused_by: list[DeviceEngine] = []
+        while True:
+            engine = self.place_session(refused_by)  # holds an admission slot from here; raises when nowhere
+            try:
+                await self.pool.wait_ready(engine, self.settings.ready_wait_s)
+                await asyncio.wrap_future(engine.open(session_id, spec))
+                return engine
+            except asyncio.CancelledError:
+                # The client left while the slot was being prepared; the open may still complete
+                # in the engine thread, so close by id: that frees whatever was allocated.
+                engine.close(session_id)
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed open allocated no engine slot
+                engine.cancel_admission()
+                error = _open_error(exc)
+                if error.code != "resource_exhausted":
+                    raise error from None
+                refused_by.append(engine)
+                log.info("session %s: %s is full; placing it again", session_id, engine.label)
+
+    def close_session(self, session: Session | NativeSession, engine: DeviceEngine, protocol: str,
+                      reason: str) -> concurrent.futures.Future:
+        """Stop a session of either protocol and free its engine slot (its admission slot
+        follows the engine's close); the future of that close.  Call once per session."""
+        session.begin_close()
+        self.sessions.pop(session.id, None)
+        self.metrics.inc("sessions_closed", (protocol, reason))
+        log.info("%s session %s closed (%s)", protocol, session.id, reason)
+        return engine.close(session.id)
+
+    async def wait_closed(self, session_id: str, cleanup: concurrent.futures.Future) -> None:
+        """Wait for ``close_session``'s engine close, at most ``close_timeout_s``: a session's
+        last words go out after its slot is free, or after that long regardless."""
+        timeout = self.settings.close_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cleanup)), timeout)
+        except Exception:  # noqa: BLE001 - the client is told regardless
+            log.warning("session %s: engine cleanup did not finish within %.1f s", session_id, timeout)
+
+    def codec(self) -> CodecThread:
+        """This worker's Opus thread (started by its first native session)."""
+        if self._codec is None:
+            self._codec = CodecThread(asyncio.get_running_loop())
+        return self._codec
 
     def count_refusal(self, reason: str) -> None:
         if reason == "full":
@@ -307,3 +365,12 @@ class Services:
         body["devices"] = [engine.status() for engine in pool.engines]
         return (200 if reason is None else 503), body
 
+
+def _open_error(exc: Exception) -> ProtocolError:
+    """The client-facing error of a failed open (engine errors carry their protocol code)."""
+    if isinstance(exc, ProtocolError):
+        return exc
+    if isinstance(exc, EngineError):
+        return ProtocolError(exc.code, str(exc), param="voice" if exc.code == "invalid_voice" else None)
+    log.exception("opening a session failed", exc_info=exc)
+    return ProtocolError("engine_error", f"opening the session failed: {type(exc).__name__}")

@@ -9,6 +9,7 @@ events is the order of the client's messages and of the ticks.  The websocket it
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from ..protocol.client_events import CLOSE_EVENTS, client_event_id, parse_append
 from ..protocol.errors import ProtocolError
 from ..protocol.session_config import SessionConfig, parse_session_update, session_payload
 from ..settings import Settings
+
+log = logging.getLogger(__name__)
 
 FRAME_MS = FRAME_SAMPLES * 1000 // SAMPLE_RATE
 _F32_FRAME_BYTES = FRAME_SAMPLES * 4
@@ -52,7 +55,8 @@ class Outbox:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def put(self, text: str, tag: str | None = None, force: bool = False, answers: tuple[float, ...] = ()) -> bool:
+    def put(self, text: str | bytes, tag: str | None = None, force: bool = False,
+            answers: tuple[float, ...] = ()) -> bool:
         if self.bytes + len(text) > (2 * self.limit if force else self.limit):
             return False
         self._items.append((text, tag, answers))
@@ -90,6 +94,28 @@ class Outbox:
 
     async def drained(self) -> None:
         await self._idle.wait()
+
+
+async def send_outbox(ws: Any, session: Any, metrics: Metrics) -> None:
+    """Send a session's queued messages (either protocol's ``outbox``) in order until
+    cancelled, timing the client frames each answers; a failed send means the transport is
+    gone: the session is asked to stop (``transport_error``)."""
+    outbox = session.outbox
+    device = session.scheduler.device or "default"
+    try:
+        while True:
+            message, answers = await outbox.get()
+            await ws.send(message)
+            outbox.sent(message)
+            if answers:  # audio: the client frames it answers have their output out
+                now = time.monotonic()
+                for arrival in answers:
+                    metrics.observe_frame_latency(device, now - arrival)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the transport is gone
+        log.info("session %s: send failed (%s)", session.id, exc)
+        session.request_stop("transport_error")
 
 
 @dataclass

@@ -23,7 +23,7 @@ MAX_ERROR_BYTES = 1000  # an error message's reason, UTF-8
 def parse_query(args: Mapping[str, str], max_persona_chars: int | None = None) -> SessionSpec:
     """The session a native client asks for.  ``text_prompt`` must be present (NVIDIA's
     server fails without it); empty means the default persona, as on the Realtime route
-    (NVIDIA's server crashes on an empty one).  ``voice_prompt``: a voice file name, the
+    (NVIDIA's server then runs no persona).  ``voice_prompt``: a voice file name, the
     server's default voice when absent.  ``seed``: -1 or absent = drawn by the server.
     Temperatures and top-k are honoured (NVIDIA's server ignores them); both temperatures 0
     = greedy.  Other keys (the stock client's ``pad_mult``, ``text_seed``, ``audio_seed``,
@@ -33,7 +33,7 @@ def parse_query(args: Mapping[str, str], max_persona_chars: int | None = None) -
                             param="text_prompt")
     persona = args["text_prompt"]
     if max_persona_chars is not None and len(persona) > max_persona_chars:
-        raise ProtocolError("persona_too_long", f"text_prompt may have at most {max_persona_chars} characters, got "
+        raise ProtocolError("text_prompt_too_long", f"text_prompt may have at most {max_persona_chars} characters, got "
                             f"{len(persona)}", param="text_prompt")
     voice = args.get("voice_prompt") or DEFAULT_VOICE
     try:

@@ -1,0 +1,322 @@
+"""The native ``/api/chat`` route end to end: a real hypercorn with two front-end workers and
+an engine process on the tiny checkpoint, a client built as NVIDIA's are (sphn's Ogg/Opus
+writer and reader), real speech.
+
+What is shown here: the handshake comes only once the prompt is in, and audio sent earlier is
+fed after it; audio and text come back; native and Realtime sessions share ticks; the server
+full, bad queries, bad messages and bad audio are each answered and the server serves on; a
+disconnect frees the slot; greedy output equals a Realtime session's fed the same PCM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from orchestrator.protocol.ogg_opus import OggOpusEncoder
+from tests.native_support import (GREEDY, PAGES_PER_FRAME, STOCK_QUERY, NativeClient, chat_url, decode_ogg, ogg_pages,
+                                  ogg_per_frame)
+from tests.orch_support import FRAME, Client, Server, f32_append, run, speech_frames
+
+PERSONA = "You enjoy having a good conversation."
+VOICE = "NATF2.pt"  # the tiny checkpoint's voices: NATF2, NATM1, VARF0
+SLOW = "SLOW-OPEN"  # a persona with this runs a prompt that takes SLOW_S longer (fault injection)
+SLOW_S = 1.5
+MAX_MESSAGE = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def native_server():
+    """Two sessions, two workers, silence feeding off (output frames = input frames), a long
+    batch window so that sessions streaming together share their ticks, 64 KiB messages."""
+    server = Server(max_sessions=2, silence_grace_s=0, workers=2, batch_window_ms=500, max_event_bytes=MAX_MESSAGE,
+                    max_instructions_chars=200, fault_injection=f"persona={SLOW},mode=slow_open,seconds={SLOW_S}")
+    yield server
+    server.stop()
+    log = server.logs()
+    assert "Traceback" not in log and " ERROR " not in log, log[-6000:]
+
+
+def url(server: Server, **query: str) -> str:
+    return chat_url(server.ws, **{"text_prompt": PERSONA, "voice_prompt": VOICE, **query})
+
+
+async def talk(server: Server, frames: np.ndarray, *, early: bool = False, **query: str) -> NativeClient:
+    """One conversation: connect, send ``frames`` as Ogg/Opus pages (paced at twice real
+    time; before the handshake when ``early``), read until every frame is answered."""
+    client = await NativeClient.connect(url(server, **query))
+    pages = ogg_pages(frames)
+    if early:
+        await client.send_pages(pages, pace_s=0.0)
+    await client.handshake()
+    if not early:
+        await client.send_pages(pages, pace_s=0.04 / 2)
+    await client.wait_for(lambda: client.audio_frames() >= len(frames), 90)
+    return client
+
+
+def serves(server: Server) -> None:
+    """Proof the server still serves: a fresh conversation gets its audio back."""
+    server.wait_free_slots(2)
+
+    async def conversation():
+        client = await talk(server, speech_frames(6))
+        await client.close()
+
+    run(conversation())
+    server.wait_free_slots(2)
+
+
+def test_handshake_waits_for_the_prompt_and_early_audio_is_fed_after_it(native_server: Server):
+    """A prompt that takes 1.5 s: the handshake comes after it, first of all messages; audio
+    the client sent before it changes nothing (greedy: the same output as a client that
+    waited), so it was fed after the prompt."""
+    native_server.wait_free_slots(2)
+    frames = speech_frames(20)
+
+    async def scenario():
+        started = time.monotonic()
+        early = await talk(native_server, frames, early=True, text_prompt=f"{SLOW} {PERSONA}", **GREEDY)
+        assert early.handshake_at - started >= SLOW_S
+        assert early.kinds[0] == 0 and early.kinds.count(0) == 1
+        await early.close()
+        native_server.wait_free_slots(2)
+        waited = await talk(native_server, frames, text_prompt=f"{SLOW} {PERSONA}", **GREEDY)
+        await waited.close()
+        assert early.pages == waited.pages
+        assert "".join(early.texts) == "".join(waited.texts)
+
+    run(scenario())
+
+
+def test_speech_in_audio_and_text_out(native_server: Server):
+    """The stock client's query, 6 s of real speech cut into arbitrary chunks: every 80 ms
+    frame is answered by one Opus page (the stream decodes to 1920 samples per frame), and
+    the model's text comes back as pieces."""
+    native_server.wait_free_slots(2)
+    frames = speech_frames(75)
+    opened = native_server.metric('personaplex_sessions_opened_total{protocol="native"}')
+
+    async def scenario():
+        client = await NativeClient.connect(url(native_server, **STOCK_QUERY, seed="1234"))
+        await client.handshake()
+        stream = b"".join(ogg_pages(frames))
+        cut = 333  # bytes per message: pages split anywhere
+        for i in range(0, len(stream), cut):
+            await client.ws.send(b"\x01" + stream[i:i + cut])
+            await client.read_for(0.004)
+        await client.wait_for(lambda: client.audio_frames() >= 0.8 * len(frames), 90)
+        await client.read_for(2.0)
+        await client.close()
+        return client
+
+    client = run(scenario())
+    assert client.audio_frames() == len(frames)  # silence feeding is off: one output per input frame
+    assert len(client.pages) == 2 + len(frames) * PAGES_PER_FRAME  # the headers, then the frames' pages
+    pcm = decode_ogg(client.audio_stream(), len(frames) * FRAME)
+    assert len(pcm) == len(frames) * FRAME
+    assert client.texts and all(piece for piece in client.texts)
+    assert client.errors == []
+    assert native_server.metric('personaplex_sessions_opened_total{protocol="native"}') == opened + 1
+
+
+def test_native_and_realtime_sessions_share_ticks(native_server: Server):
+    """One session of each protocol streaming at once: the Realtime session's deltas say
+    their ticks stepped two sessions."""
+    native_server.wait_free_slots(2)
+    frames = speech_frames(30)
+
+    async def scenario():
+        native = await NativeClient.connect(url(native_server))
+        await native.handshake()
+        realtime = await Client.connect(native_server.ws + "/v1/realtime?duplex=1")
+        await realtime.open()
+        for frame, ogg in zip(frames, ogg_per_frame(frames)):
+            await realtime.send(f32_append(frame))
+            await native.ws.send(b"\x01" + ogg)
+            await asyncio.sleep(0.02)
+        await realtime.wait_audio_frames(len(frames))
+        await native.wait_for(lambda: native.audio_frames() >= len(frames))
+        for client in (native, realtime):
+            await client.close()
+        return [d["metadata"]["timing"]["batch_size"] for d in realtime.audio()]
+
+    sizes = run(scenario())
+    assert sizes.count(2) >= len(sizes) // 2, sizes
+
+
+def test_the_session_over_capacity_is_refused_and_a_freed_slot_serves(native_server: Server):
+    native_server.wait_free_slots(2)
+    refused = native_server.metric("personaplex_sessions_refused_total")
+
+    async def scenario():
+        first = await NativeClient.connect(url(native_server))
+        second = await NativeClient.connect(url(native_server))
+        await first.handshake()
+        await second.handshake()
+        third = await NativeClient.connect(url(native_server))
+        assert await third.wait_closed() == (1013, "resource_exhausted")
+        assert third.kinds == [5] and third.errors[0].startswith("resource_exhausted: ")
+        await first.close()
+        native_server.wait_free_slots(1)
+        fourth = await talk(native_server, speech_frames(4))
+        await fourth.close()
+        await second.close()
+
+    run(scenario())
+    assert native_server.metric("personaplex_sessions_refused_total") == refused + 1
+    serves(native_server)
+
+
+@pytest.mark.parametrize("query, code", [
+    ({"voice_prompt": "NOSUCH.pt"}, "invalid_voice"),
+    ({"voice_prompt": "../../etc/passwd"}, "invalid_voice"),
+    ({"text_prompt": None}, "missing_text_prompt"),
+    ({"text_prompt": "x" * 201}, "text_prompt_too_long"),
+    ({"text_temperature": "hot"}, "bad_query"),
+    ({"seed": str(2**63)}, "bad_query"),
+])
+def test_a_bad_query_is_refused_and_the_server_serves_on(native_server: Server, query, code):
+    native_server.wait_free_slots(2)
+
+    async def scenario():
+        client = await NativeClient.connect(url(native_server, **query))
+        assert await client.wait_closed() == (1008, code)
+        assert client.kinds == [5] and client.errors[0].startswith(f"{code}: ")
+
+    run(scenario())
+    serves(native_server)
+
+
+@pytest.mark.parametrize("message, reason", [
+    (b"", "empty"),
+    (b"\x09\x00\x01", "unknown_kind"),
+    (b"\x02hello", "unexpected_kind"),
+    ("a text frame", "text_frame"),
+    (b"\x01" + bytes(MAX_MESSAGE + 1), "oversize"),
+])
+def test_a_bad_message_is_dropped_counted_and_the_session_goes_on(native_server: Server, message, reason):
+    native_server.wait_free_slots(2)
+    series = f'personaplex_native_messages_dropped_total{{reason="{reason}"}}'
+    before = native_server.metric(series)
+    frames = speech_frames(10)
+
+    async def scenario():
+        client = await NativeClient.connect(url(native_server))
+        await client.handshake()
+        pages = ogg_pages(frames)
+        await client.send_pages(pages[:6])
+        await client.ws.send(message)
+        await client.send_pages(pages[6:])
+        await client.wait_for(lambda: client.audio_frames() >= len(frames))
+        await client.close()
+        return client
+
+    client = run(scenario())
+    assert len(client.errors) == 1 and client.errors[0].startswith("message_dropped: "), client.errors
+    assert native_server.metric(series) == before + 1
+    serves(native_server)
+
+
+def _ogg_crc(data: bytes) -> int:
+    crc = 0
+    for byte in data:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7) & 0xFFFFFFFF if crc & 0x80000000 else (crc << 1) & 0xFFFFFFFF
+    return crc
+
+
+def _with_payload(page: bytes, payload: bytes) -> bytes:
+    """``page`` (one segment of < 255 bytes) with its packet replaced and a valid CRC."""
+    assert page[26] == 1 and len(payload) < 255
+    header = bytearray(page[:27] + bytes([len(payload)]))
+    header[22:26] = b"\x00\x00\x00\x00"
+    crc = _ogg_crc(bytes(header) + payload)
+    header[22:26] = struct.pack("<I", crc)
+    return bytes(header) + payload
+
+
+@pytest.mark.parametrize("damage", ["not_ogg", "bad_packet"])
+def test_malformed_audio_ends_the_session_with_a_reason_and_frees_its_slot(native_server: Server, damage):
+    """Bytes that are not Ogg, or a well-formed page whose packet Opus refuses: the stream
+    cannot be resynchronised, so the session ends (0x05 bad_audio, close 1007)."""
+    native_server.wait_free_slots(2)
+    frames = speech_frames(8)
+
+    async def scenario():
+        client = await NativeClient.connect(url(native_server))
+        await client.handshake()
+        pages = ogg_pages(frames)
+        sent = 2 + 5 * PAGES_PER_FRAME  # the headers and five frames
+        await client.send_pages(pages[:sent])
+        await client.wait_for(lambda: client.audio_frames() >= 3)
+        if damage == "not_ogg":
+            await client.ws.send(b"\x01RIFF....WAVEfmt " + bytes(200))
+        else:
+            # An Opus packet whose TOC asks for a code-3 frame count of 0: invalid.
+            await client.ws.send(b"\x01" + _with_payload(pages[sent], bytes([0x03, 0x00])))
+        assert await client.wait_closed() == (1007, "bad_audio")
+        assert any(error.startswith("bad_audio: ") for error in client.errors), client.errors
+
+    run(scenario())
+    serves(native_server)
+
+
+def test_a_disconnect_mid_stream_frees_the_slot(native_server: Server):
+    native_server.wait_free_slots(2)
+    series = 'personaplex_sessions_closed_total{protocol="native",reason="disconnect"}'
+    before = native_server.metric(series)
+
+    async def scenario():
+        client = await NativeClient.connect(url(native_server))
+        await client.handshake()
+        pages = ogg_pages(speech_frames(10))
+        await client.send_pages(pages[:7])
+        await client.wait_for(lambda: client.audio_frames() >= 2)
+        client.ws.transport.abort()  # no close frame: the TCP connection just goes
+
+    run(scenario())
+    native_server.wait_free_slots(2)
+    deadline = time.monotonic() + 10
+    while native_server.metric(series) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert native_server.metric(series) == before + 1
+    serves(native_server)
+
+
+def test_greedy_native_output_equals_a_realtime_session_fed_the_same_pcm(native_server: Server):
+    """The same voice, persona and seed, greedy: the native session's pages are exactly what
+    the Realtime session's PCM gives through a fresh encoder, and the text is the same, so
+    the model produced the same frames bit for bit before Opus encoding."""
+    native_server.wait_free_slots(2)
+    frames = speech_frames(40)
+    pages = ogg_pages(frames)
+    decoded = decode_ogg(b"".join(pages), len(frames) * FRAME)  # what the server decodes
+    assert len(decoded) == len(frames) * FRAME
+
+    async def scenario():
+        native = await talk(native_server, frames, seed="7", **GREEDY)
+        await native.close()
+        native_server.wait_free_slots(2)
+        realtime = await Client.connect(native_server.ws + "/v1/realtime?duplex=1")
+        await realtime.open(voice=VOICE, instructions=PERSONA, temperature=0,
+                            extra_body={"auto_response": True, "seed": 7})
+        for frame in decoded.reshape(len(frames), FRAME):
+            await realtime.send(f32_append(frame))
+        pcm16 = await realtime.wait_audio_frames(len(frames))
+        await realtime.drain(0.5)
+        await realtime.close()
+        text = "".join(e["delta"] for e in realtime.events if e["type"] == "response.output_audio_transcript.delta")
+        return native, pcm16, text
+
+    native, pcm16, text = run(scenario())
+    encoder = OggOpusEncoder()
+    expected = [page for frame in pcm16.reshape(-1, FRAME)[: len(frames)]
+                for page in encoder.encode(frame.astype(np.float32) / 32768.0)]
+    assert native.pages[: len(expected)] == expected
+    assert "".join(native.texts) == text and text
