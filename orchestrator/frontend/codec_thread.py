@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..lockstep.scheduler import name_os_thread
 from ..protocol.audio import AudioError
 from ..protocol.ogg_opus import OggOpusDecoder, OggOpusEncoder
 
@@ -107,6 +108,7 @@ class CodecThread:
 
     # On the codec thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread("pp-opus")  # top -H tells the Opus work from the event loop's
         while True:
             with self._cond:
                 if not self._jobs and not self._stopping:

@@ -38,6 +38,14 @@ class InputAudio:
         and JSON of 1920 float32 samples cost ~30 us a frame)."""
         return [wire.encode(wire.frame_event(frame_at(self.pcm, seq), seq)) for seq in range(self.frames)]
 
+    @cached_property
+    def native_messages(self) -> list[bytes]:
+        """The same frames for ``--protocol native``: one Ogg/Opus ``0x01`` message each (the
+        first with the stream's headers), encoded once per process."""
+        from .native_wire import frame_messages  # sphn: only for native runs
+
+        return frame_messages(np.stack([frame_at(self.pcm, seq) for seq in range(self.frames)]))
+
 
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()

@@ -175,6 +175,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     load.add_argument("--sessions", metavar="N", type=int,
                       help=f"run the paced load with N sessions (1..{defaults.MAX_LOAD_SESSIONS}); omit for the "
                            "lifecycle mode.  Sessions the server refuses are kept as failed rows")
+    load.add_argument("--protocol", choices=defaults.PROTOCOLS, default="realtime",
+                      help="realtime (default): the Realtime events on --url; native: PersonaPlex's /api/chat on "
+                           "--url's host (Ogg/Opus both ways, --voice and --persona in the query; what NVIDIA's "
+                           "clients speak)")
     load.add_argument("--processes", metavar="P", type=int,
                       help=f"driver worker processes sharing the sessions and one start (1..{defaults.MAX_PROCESSES}, "
                            f"at most N; default: one per {defaults.SESSIONS_PER_PROCESS} sessions, at most the CPU "
@@ -217,7 +221,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
             raise OptionsError(f"--api-key-env: the environment variable {args.api_key_env} is not set")
     opts = Options(
         model=args.model, input_wav=args.input_wav, url=args.url, output_dir=args.output_dir,
-        expected_input_sha256=args.expected_input_sha256, api_key=api_key, voice=args.voice, persona=args.persona,
+        expected_input_sha256=args.expected_input_sha256, api_key=api_key, protocol=args.protocol, voice=args.voice,
+        persona=args.persona,
         secondary_persona=args.secondary_persona, replacement_persona=args.replacement_persona, tail_s=args.tail_s,
         drain_s=args.drain_s, timeout_s=args.timeout_s, cleanup_timeout_s=args.cleanup_timeout_s,
         progress_s=args.progress_s,

@@ -26,6 +26,8 @@ from . import acceptance, metrics, wire
 from .audio import InputAudio, load_input
 from .options import (CLIENT_LATENESS_LIMIT_MS, HOLD_MAX_GAP_MS, HOLD_STREAM_LAG_P99_MS, Options)
 from .packets import PacketLog
+from .native_probe import NativeProbe
+from .native_wire import chat_url
 from .pacing import send_paced
 from .probe import RealtimeProbe
 from .report import write_json
@@ -119,9 +121,11 @@ class LoadSession:
         self.worker = worker
         self.label = f"personaplex-load-{index}"
         self.session_id = self.label  # replaced by the server's id once admitted
-        self.probe = RealtimeProbe(wire.realtime_url(opts.url, opts.model), label=self.label, api_key=opts.api_key,
-                                   close_timeout_s=opts.cleanup_timeout_s,
-                                   voiced_rms_threshold=opts.thresholds.voiced_frame_rms_threshold)
+        self.native = opts.protocol == "native"
+        probe_kind, url = ((NativeProbe, chat_url(opts.url, voice=opts.voice, persona=opts.persona)) if self.native
+                           else (RealtimeProbe, wire.realtime_url(opts.url, opts.model)))
+        self.probe = probe_kind(url, label=self.label, api_key=opts.api_key, close_timeout_s=opts.cleanup_timeout_s,
+                                voiced_rms_threshold=opts.thresholds.voiced_frame_rms_threshold)
         # Real clients send at arbitrary phases of the 80 ms period: with --start-spread-ms each
         # session starts this much after the shared instant (golden-ratio steps: spread evenly
         # for any N, the same for a given index in any process split).
@@ -140,22 +144,18 @@ class LoadSession:
         try:
             try:
                 await asyncio.wait_for(probe.connect(opts.timeout_s), opts.timeout_s)
-                await probe.send(wire.session_update(model=opts.model, voice=opts.voice, persona=opts.persona),
-                                 opts.timeout_s)
-                created = await probe.wait_event("session.created", opts.timeout_s)
-                self.admitted = True
-                self.session_id = wire.session_id_of(created) or self.label
-                if wire.capability_mismatches(wire.capabilities_of(created), wire.LOAD_CAPABILITIES):
-                    raise CapabilityMismatch("capabilities")
+                await self._open()
                 ready.set_result(None)
                 phase = "stream"
                 stream_start = await asyncio.shield(start) + self.start_offset_s
-                await send_paced(lambda text: probe.send_text(text, opts.timeout_s), self.audio.frame_texts,
+                frames = self.audio.native_messages if self.native else self.audio.frame_texts
+                await send_paced(lambda message: probe.send_text(message, opts.timeout_s), frames,
                                  start=stream_start, sends=self.sends, before_send=probe.check, dues=self.dues)
                 phase = "drain"
                 await asyncio.sleep(opts.drain_s)  # fixed window: closing must not extend it
                 probe.check()
                 probe.freeze_packets()
+                await probe.settle()
                 stats, failure = acceptance.evaluate(probe.packets, input_frames=len(self.sends),
                                                      thresholds=opts.thresholds, session_id=self.session_id,
                                                      input_ended_at=self._input_ended_at)
@@ -186,7 +186,24 @@ class LoadSession:
     def _input_ended_at(self) -> float | None:
         return self.sends[-1][2] if self.sends else None
 
+    async def _open(self) -> None:
+        """Realtime: ``session.update`` until ``session.created`` (its capabilities checked);
+        native: the query did it, wait for the handshake (the prompt is in)."""
+        opts, probe = self.opts, self.probe
+        if isinstance(probe, NativeProbe):
+            await probe.wait_handshake(opts.timeout_s)
+            self.admitted = True
+            return
+        await probe.send(wire.session_update(model=opts.model, voice=opts.voice, persona=opts.persona), opts.timeout_s)
+        created = await probe.wait_event("session.created", opts.timeout_s)
+        self.admitted = True
+        self.session_id = wire.session_id_of(created) or self.label
+        if wire.capability_mismatches(wire.capabilities_of(created), wire.LOAD_CAPABILITIES):
+            raise CapabilityMismatch("capabilities")
+
     async def _close(self) -> None:
+        if self.native:  # no close message in this protocol: the socket's close ends the session
+            return
         await self.probe.send(wire.session_close())
         await self.probe.wait_event("session.closed", self.opts.cleanup_timeout_s, fail_fast=False)
 
@@ -202,7 +219,7 @@ class LoadSession:
         if cleanup_error:
             error = f"{error}; {cleanup_error}" if error else cleanup_error
         if probe.errors():
-            error = error or "server emitted a Realtime error"
+            error = error or "server emitted an error"
         if plog.invalid:
             error = error or "invalid audio packets"
         if probe.violations:
@@ -250,7 +267,8 @@ class LoadRun:
 
     def __init__(self, opts: Options, audio: InputAudio, indexes: Sequence[int], worker: int = 0) -> None:
         self.opts = opts
-        audio.frame_texts  # encode every frame once, before any clock starts
+        # Encode every frame once, before any clock starts.
+        audio.native_messages if opts.protocol == "native" else audio.frame_texts
         self.sessions = [LoadSession(opts, audio, i, worker) for i in indexes]
         self._tasks: list[asyncio.Task] = []
         self._start: asyncio.Future[float] | None = None
@@ -372,6 +390,7 @@ def assemble_result(opts: Options, audio: InputAudio, rows: list[dict[str, Any]]
     return {
         "schema_version": SCHEMA_VERSION,
         "mode": "paced_multi_session",
+        "protocol": opts.protocol,
         "model": opts.model,
         "requested_sessions": opts.sessions,
         "passed_sessions": sum(row["ok"] is True for row in rows),
@@ -417,8 +436,9 @@ def run_load(opts: Options) -> dict[str, Any]:
                        max_frames=opts.load_frames)
     output_dir.mkdir(parents=True, exist_ok=True)
     processes = opts.process_count()
-    log.info("load: %d sessions x %d frames (%.1f s of audio each) against %s from %d process%s", opts.sessions,
-             audio.frames, audio.frames * wire.FRAME_PERIOD_S, wire.redacted_url(opts.url), processes,
+    url = chat_url(opts.url, voice=opts.voice, persona=opts.persona) if opts.protocol == "native" else opts.url
+    log.info("load: %d %s sessions x %d frames (%.1f s of audio each) against %s from %d process%s", opts.sessions,
+             opts.protocol, audio.frames, audio.frames * wire.FRAME_PERIOD_S, wire.redacted_url(url), processes,
              "" if processes == 1 else "es")
     if processes == 1:
         rows = asyncio.run(run_sessions_here(opts, audio))

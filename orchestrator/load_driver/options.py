@@ -16,6 +16,7 @@ DEFAULT_VOICE = "NATF2.pt"
 DEFAULT_PERSONA = "You are a concise and helpful assistant."
 DEFAULT_SECONDARY_PERSONA = "You are a calm and precise assistant."
 DEFAULT_REPLACEMENT_PERSONA = "You are a cheerful travel assistant."
+PROTOCOLS = ("realtime", "native")
 MAX_LOAD_SESSIONS = 1024
 MAX_LOAD_FRAMES = 10_000
 # Load mode's real-time gate (a session fails past either) and the default process split.
@@ -43,6 +44,7 @@ class Options:
     output_dir: Path = Path(DEFAULT_OUTPUT_DIR)
     expected_input_sha256: str | None = None
     api_key: str | None = field(default=None, repr=False)  # from --api-key-env; never exported
+    protocol: str = "realtime"  # realtime | native (/api/chat, Ogg/Opus; load mode only)
     # Voice and personas.
     voice: str = DEFAULT_VOICE
     persona: str = DEFAULT_PERSONA
@@ -130,5 +132,9 @@ class Options:
                 raise OptionsError("--processes needs --sessions (the lifecycle mode runs in one process)")
             if self.processes > self.sessions:
                 raise OptionsError(f"--processes {self.processes} is more than --sessions {self.sessions}")
+        if self.protocol not in PROTOCOLS:
+            raise OptionsError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        if self.protocol == "native" and self.sessions is None:
+            raise OptionsError("--protocol native needs --sessions (the lifecycle mode is the Realtime protocol's)")
         if not self.url.startswith(("ws://", "wss://")):
             raise OptionsError(f"--url must be a ws:// or wss:// URL, got {self.url.split('?')[0]!r}")

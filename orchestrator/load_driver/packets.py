@@ -149,6 +149,15 @@ class PacketLog:
         self.response_ids.append(str(event["response_id"]))
         self.audio.add(pcm)
 
+    def add_packet(self, at: float, samples: int, response_id: str, rate: int) -> None:
+        """A valid non-empty audio packet whose PCM is tallied later (``audio.add``): the
+        native protocol's Opus pages, counted from their TOC bytes on arrival."""
+        self.audio_events += 1
+        self.rates.add(rate)
+        self.arrivals.append(at)
+        self.samples.append(samples)
+        self.response_ids.append(response_id)
+
     def timeline(self) -> list[dict[str, Any]]:
         return [{"received_at_s": t, "samples": n, "response_id": r}
                 for t, n, r in zip(self.arrivals, self.samples, self.response_ids)]

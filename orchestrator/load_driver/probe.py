@@ -189,6 +189,10 @@ class RealtimeProbe:
         window (errors and violations are still recorded)."""
         self.packets_frozen = True
 
+    async def settle(self) -> None:
+        """Finish what the record needs after the window (nothing here: Realtime audio is
+        tallied as it arrives)."""
+
     # Reading the record -------------------------------------------------------------------------
     def count(self, kind: str) -> int:
         return self.counts[kind]

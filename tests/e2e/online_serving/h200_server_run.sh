@@ -4,8 +4,9 @@
 # /ready, then run each LOAD in turn against it with the load driver (full windows, worker
 # processes, starts spread over the frame period), and stop it.  Usage (repository root):
 #   OUT=/tmp/out bash tests/e2e/online_serving/h200_server_run.sh POLICY LOAD [LOAD ...]
-# POLICY is PERSONAPLEX_TICK_POLICY (window | paced); a LOAD is SESSIONS:FRAMES[:PROCESSES]
-# (driver processes: default one per 16 sessions, at least 2).  Under $OUT, per load,
+# POLICY is PERSONAPLEX_TICK_POLICY (window | paced); a LOAD is SESSIONS:FRAMES[:PROCESSES[:PROTOCOL]]
+# (driver processes: default one per 16 sessions, at least 2; PROTOCOL the driver's --protocol,
+# realtime by default or native: /api/chat with Ogg/Opus).  Under $OUT, per load,
 # POLICY-nSESSIONS.tgz: the driver's summary and log, per-session lag figures (sessions.json),
 # load-result.json.gz (when under 12 MB), the lag plot,
 # /metrics before and after (metrics.txt), the GPU's utilisation per second (gpu-dmon.txt)
@@ -59,9 +60,10 @@ done
 echo "$policy: ready after $((SECONDS - started)) s (git $revision, $gpu, engine $engine_host, $workers worker(s), max_sessions $PERSONAPLEX_MAX_SESSIONS)" | tee -a "$server_dir/startup.txt"
 model=$(curl -s 127.0.0.1:8000/v1/models | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
 for load in "$@"; do
-    IFS=: read -r sessions frames processes <<< "$load"
+    IFS=: read -r sessions frames processes protocol <<< "$load"
+    protocol=${protocol:-realtime}
     processes=${processes:-$(( sessions / 16 > 2 ? sessions / 16 : 2 ))}
-    run="$policy-n$sessions"
+    run="$policy-n$sessions-$protocol"
     dir="$server_dir/$run"
     mkdir -p "$dir"
     { nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv
@@ -72,6 +74,7 @@ for load in "$@"; do
     topper=$!
     tail_s=$(python3 -c "print(max(2.0, $frames * 0.08 - 38.0))")
     python3 -m orchestrator.load_driver --model "$model" --input-wav "$wav" --sessions "$sessions" \
+        --protocol "$protocol" \
         --processes "$processes" --load-frames "$frames" --tail-s "$tail_s" --plot --progress-s 30 \
         --start-spread-ms "${SPREAD_MS:-80}" --server-revision "$revision" \
         --server-hardware "$gpu, policy $policy, engine $engine_host, $workers worker(s)" \

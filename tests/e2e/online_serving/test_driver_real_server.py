@@ -71,6 +71,31 @@ def test_paced_load_against_the_real_server(e2e_duplex_server, tmp_path, session
     e2e_duplex_server.wait_free_slots(2)
 
 
+@pytest.mark.parametrize("sessions", [2])
+def test_paced_native_load_against_the_real_server(e2e_duplex_server, tmp_path, sessions):
+    """``--protocol native``: the same paced load over /api/chat with Ogg/Opus both ways; the
+    same statistics and checks (the Opus stream is decoded after the window for them)."""
+    e2e_duplex_server.wait_free_slots(2)
+    opened = e2e_duplex_server.metric('personaplex_sessions_opened_total{protocol="native"}')
+    code = _driver(e2e_duplex_server, tmp_path, "--protocol", "native", "--input-wav", str(SPEECH_WAV),
+                   "--sessions", str(sessions), "--load-frames", str(LOAD_FRAMES), "--drain-s", str(LOAD_DRAIN_S),
+                   "--max-stream-lag-ms", "60000", "--max-gap-ms", "60000")
+    result = json.loads((tmp_path / "load-result.json").read_text())
+    assert code == EXIT_OK and result["ok"] is True and result["protocol"] == "native", _explain(result)
+    assert e2e_duplex_server.metric('personaplex_sessions_opened_total{protocol="native"}') == opened + sessions
+    for row in result["sessions"]:
+        assert row["input_frames"] == LOAD_FRAMES
+        assert row["output_frames"] == LOAD_FRAMES and row["frame_deficit"] == 0
+        assert row["server_fed_frames"] == 0 and row["server_fed_frames_source"] == "timing"  # no metadata here
+        assert row["stream_lag_ms"]["count"] == LOAD_FRAMES
+        assert sum(p["samples"] for p in row["audio_packet_timeline"]) == LOAD_FRAMES * 1920
+        assert row["server_error_count"] == 0 and row["invalid_audio_packets"] == []
+        assert row["protocol_violations"] == []
+        assert row["audio_rms"] > 1e-5 and row["voiced_frames"] >= 5  # the decoded Opus stream
+        assert row["client_first_audio_after_stream_start_ms"] > 0
+    e2e_duplex_server.wait_free_slots(2)  # the sockets' close ended the sessions
+
+
 def test_lifecycle_against_the_real_server(e2e_duplex_server, tmp_path):
     clip = speech(0.8, offset_s=1.0)
     wav_path = tmp_path / "clip.wav"

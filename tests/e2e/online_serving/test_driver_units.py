@@ -458,3 +458,33 @@ def test_load_input_tail_truncation_and_checksum(tmp_path):
     (tmp_path / "bad.wav").write_bytes(b"not a wav")
     with pytest.raises(ValueError, match="not a PCM WAV"):
         load_input(tmp_path / "bad.wav", tail_s=0)
+
+
+# --protocol native --------------------------------------------------------------------------
+def test_native_wire_url_frames_and_packet_durations():
+    from orchestrator.load_driver.native_wire import chat_url, frame_messages, opus_packet_samples, page_packets
+
+    url = chat_url("wss://h.example:9/v1/realtime?duplex=1&model=m&api_key=k", voice="NATF2.pt", persona="Be brief.")
+    assert url == "wss://h.example:9/api/chat?api_key=k&text_prompt=Be+brief.&voice_prompt=NATF2.pt"
+    t = np.arange(3 * 1920, dtype=np.float32) / 24000
+    messages = frame_messages((0.3 * np.sin(2 * np.pi * 220 * t)).reshape(3, 1920))
+    assert all(m[0] == 1 for m in messages) and b"OpusHead" in messages[0] and b"OpusHead" not in messages[1]
+    last_page = messages[2][1:]
+    packets = page_packets(last_page)
+    assert packets and sum(opus_packet_samples(p) for p in packets) == 1920  # 80 ms, whichever sphn
+    assert page_packets(last_page[:-1]) is None and page_packets(b"RIFF") is None
+    # TOC: config 3 (SILK 60 ms) code 0 = one frame; config 31 (CELT 20 ms) code 3 with 4 frames.
+    assert opus_packet_samples(bytes([3 << 3])) == 1440
+    assert opus_packet_samples(bytes([(31 << 3) | 3, 4])) == 4 * 480
+    assert opus_packet_samples(bytes([(16 << 3) | 1])) == 2 * 60  # 2.5 ms twice
+    assert opus_packet_samples(b"") == 0 and opus_packet_samples(bytes([(31 << 3) | 3])) == 0
+
+
+def test_native_protocol_needs_the_load_mode():
+    from orchestrator.load_driver.options import Options, OptionsError
+
+    with pytest.raises(OptionsError, match="--protocol native needs --sessions"):
+        Options(model="m", input_wav=Path("x.wav"), protocol="native").validate()
+    with pytest.raises(OptionsError, match="--protocol must be one of"):
+        Options(model="m", input_wav=Path("x.wav"), protocol="moshi", sessions=1).validate()
+    Options(model="m", input_wav=Path("x.wav"), protocol="native", sessions=1).validate()
