@@ -112,6 +112,9 @@ class Settings:
     idle_timeout_s: float = 300.0  # no client event for this long closes the session
     ready_wait_s: float = 180.0  # how long an open waits for the engine to finish loading
     max_event_bytes: int = 15 * 1024 * 1024  # larger client events get event_too_large
+    # /api/chat: larger binary messages are dropped (Opus is a few KB a second; the web client
+    # sends 40 ms pages of a few hundred bytes).
+    max_native_message_bytes: int = 256 * 1024
     max_pending_input_bytes: int = 16 * 1024 * 1024  # queued input (float32 at 24 kHz)
     max_output_buffer_bytes: int = 32 * 1024 * 1024  # unsent server events per session
     close_timeout_s: float = 5.0  # how long a closing session may take to flush its events
@@ -158,8 +161,8 @@ class Settings:
             raise SettingsError(f"{env_name('kv_cache')} must be one of {', '.join(KV_CACHE_MODES)}, "
                                 f"got {self.kv_cache!r}")
         for name in ("frames_per_delta", "first_message_timeout_s", "idle_timeout_s",
-                     "ready_wait_s", "max_event_bytes", "max_pending_input_bytes", "max_output_buffer_bytes",
-                     "close_timeout_s"):
+                     "ready_wait_s", "max_event_bytes", "max_native_message_bytes", "max_pending_input_bytes",
+                     "max_output_buffer_bytes", "close_timeout_s"):
             positive(name)
         for name in ("batch_window_ms", "silence_grace_s", "warmup_frames"):
             positive(name, allow_zero=True)

@@ -5,6 +5,7 @@ only after the handshake, what comes back is read with sphn's reader."""
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 import urllib.parse
 from typing import Any
@@ -30,6 +31,26 @@ PAGES_PER_FRAME = 1 if hasattr(sphn.OpusStreamWriter, "read_bytes") else 2
 def chat_url(server_ws: str, **query: str) -> str:
     """``ws://HOST:PORT/api/chat?...``; keys with the value None are left out."""
     return f"{server_ws}/api/chat?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
+
+
+def ogg_page(packets: list[bytes], sequence: int, serial: int = 42) -> bytes:
+    """One Ogg page holding ``packets`` (each under 255 bytes, at most 255 of them), with a
+    valid CRC: for streams no encoder would write."""
+    header = bytearray(b"OggS\x00\x00" + struct.pack("<qIII", 0, serial, sequence, 0) + bytes([len(packets)]))
+    header += bytes(len(p) for p in packets)
+    page = bytearray(header + b"".join(packets))
+    crc = 0
+    for byte in page:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7) & 0xFFFFFFFF if crc & 0x80000000 else (crc << 1) & 0xFFFFFFFF
+    page[22:26] = struct.pack("<I", crc)
+    return bytes(page)
+
+
+def page_ids(page: bytes) -> tuple[int, int]:
+    """(serial, sequence) of an Ogg page."""
+    return struct.unpack("<II", page[14:22])
 
 
 def ogg_pages(frames: np.ndarray) -> list[bytes]:

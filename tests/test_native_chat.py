@@ -11,15 +11,14 @@ disconnect frees the slot; greedy output equals a Realtime session's fed the sam
 from __future__ import annotations
 
 import asyncio
-import struct
 import time
 
 import numpy as np
 import pytest
 
 from orchestrator.protocol.ogg_opus import OggOpusEncoder
-from tests.native_support import (GREEDY, PAGES_PER_FRAME, STOCK_QUERY, NativeClient, chat_url, decode_ogg, ogg_pages,
-                                  ogg_per_frame)
+from tests.native_support import (GREEDY, PAGES_PER_FRAME, STOCK_QUERY, NativeClient, chat_url, decode_ogg, ogg_page,
+                                  ogg_pages, ogg_per_frame, page_ids)
 from tests.orch_support import FRAME, Client, Server, f32_append, run, speech_frames
 
 PERSONA = "You enjoy having a good conversation."
@@ -27,13 +26,16 @@ VOICE = "NATF2.pt"  # the tiny checkpoint's voices: NATF2, NATM1, VARF0
 SLOW = "SLOW-OPEN"  # a persona with this runs a prompt that takes SLOW_S longer (fault injection)
 SLOW_S = 1.5
 MAX_MESSAGE = 64 * 1024
+MAX_AHEAD_FRAMES = 136  # client audio may run ~10.9 s ahead of real time
 
 
 @pytest.fixture(scope="module")
 def native_server():
     """Two sessions, two workers, silence feeding off (output frames = input frames), a long
-    batch window so that sessions streaming together share their ticks, 64 KiB messages."""
-    server = Server(max_sessions=2, silence_grace_s=0, workers=2, batch_window_ms=500, max_event_bytes=MAX_MESSAGE,
+    batch window so that sessions streaming together share their ticks, 64 KiB messages,
+    client audio at most ~10.9 s ahead."""
+    server = Server(max_sessions=2, silence_grace_s=0, workers=2, batch_window_ms=500,
+                    max_native_message_bytes=MAX_MESSAGE, max_pending_input_bytes=MAX_AHEAD_FRAMES * FRAME * 4,
                     max_instructions_chars=200, fault_injection=f"persona={SLOW},mode=slow_open,seconds={SLOW_S}")
     yield server
     server.stop()
@@ -57,6 +59,17 @@ async def talk(server: Server, frames: np.ndarray, *, early: bool = False, **que
         await client.send_pages(pages, pace_s=0.04 / 2)
     await client.wait_for(lambda: client.audio_frames() >= len(frames), 90)
     return client
+
+
+async def streaming(server: Server, frames: int, sent: int, answered: int) -> tuple[NativeClient, list[bytes]]:
+    """A conversation under way: the first ``sent`` pages of ``frames`` frames of speech are
+    sent and ``answered`` frames have come back; returns the client and all the pages."""
+    client = await NativeClient.connect(url(server))
+    await client.handshake()
+    pages = ogg_pages(speech_frames(frames))
+    await client.send_pages(pages[:sent])
+    await client.wait_for(lambda: client.audio_frames() >= answered)
+    return client, pages
 
 
 def serves(server: Server) -> None:
@@ -222,48 +235,47 @@ def test_a_bad_message_is_dropped_counted_and_the_session_goes_on(native_server:
     serves(native_server)
 
 
-def _ogg_crc(data: bytes) -> int:
-    crc = 0
-    for byte in data:
-        crc ^= byte << 24
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x04C11DB7) & 0xFFFFFFFF if crc & 0x80000000 else (crc << 1) & 0xFFFFFFFF
-    return crc
-
-
-def _with_payload(page: bytes, payload: bytes) -> bytes:
-    """``page`` (one segment of < 255 bytes) with its packet replaced and a valid CRC."""
-    assert page[26] == 1 and len(payload) < 255
-    header = bytearray(page[:27] + bytes([len(payload)]))
-    header[22:26] = b"\x00\x00\x00\x00"
-    crc = _ogg_crc(bytes(header) + payload)
-    header[22:26] = struct.pack("<I", crc)
-    return bytes(header) + payload
-
-
 @pytest.mark.parametrize("damage", ["not_ogg", "bad_packet"])
 def test_malformed_audio_ends_the_session_with_a_reason_and_frees_its_slot(native_server: Server, damage):
     """Bytes that are not Ogg, or a well-formed page whose packet Opus refuses: the stream
     cannot be resynchronised, so the session ends (0x05 bad_audio, close 1007)."""
     native_server.wait_free_slots(2)
-    frames = speech_frames(8)
 
     async def scenario():
-        client = await NativeClient.connect(url(native_server))
-        await client.handshake()
-        pages = ogg_pages(frames)
         sent = 2 + 5 * PAGES_PER_FRAME  # the headers and five frames
-        await client.send_pages(pages[:sent])
-        await client.wait_for(lambda: client.audio_frames() >= 3)
+        client, pages = await streaming(native_server, 8, sent, answered=3)
         if damage == "not_ogg":
             await client.ws.send(b"\x01RIFF....WAVEfmt " + bytes(200))
         else:
             # An Opus packet whose TOC asks for a code-3 frame count of 0: invalid.
-            await client.ws.send(b"\x01" + _with_payload(pages[sent], bytes([0x03, 0x00])))
+            serial, sequence = page_ids(pages[sent])
+            await client.ws.send(b"\x01" + ogg_page([bytes([0x03, 0x00])], sequence, serial))
         assert await client.wait_closed() == (1007, "bad_audio")
         assert any(error.startswith("bad_audio: ") for error in client.errors), client.errors
 
     run(scenario())
+    serves(native_server)
+
+
+def test_audio_far_ahead_of_real_time_ends_the_session_before_it_is_decoded(native_server: Server):
+    """255 two-byte Opus packets of 120 ms each: 30 s of audio in one 793-byte page, more than
+    the ~10.9 s a stream may run ahead.  It is reckoned from the packets' TOC bytes before
+    decoding: the session ends (0x05 input_backpressure, close 1008), the server serves on."""
+    native_server.wait_free_slots(2)
+    series = 'personaplex_sessions_closed_total{protocol="native",reason="input_backpressure"}'
+    before = native_server.metric(series)
+
+    async def scenario():
+        sent = 2 + 2 * PAGES_PER_FRAME
+        client, pages = await streaming(native_server, 4, sent, answered=1)
+        serial, sequence = page_ids(pages[sent])
+        flood = ogg_page([bytes([(3 << 3) | 3, 2])] * 255, sequence, serial)  # SILK 60 ms x 2 per packet
+        await client.ws.send(b"\x01" + flood)
+        assert await client.wait_closed() == (1008, "input_backpressure")
+        assert any(error.startswith("input_backpressure: ") for error in client.errors), client.errors
+
+    run(scenario())
+    assert native_server.metric(series) == before + 1
     serves(native_server)
 
 
@@ -273,11 +285,7 @@ def test_a_disconnect_mid_stream_frees_the_slot(native_server: Server):
     before = native_server.metric(series)
 
     async def scenario():
-        client = await NativeClient.connect(url(native_server))
-        await client.handshake()
-        pages = ogg_pages(speech_frames(10))
-        await client.send_pages(pages[:7])
-        await client.wait_for(lambda: client.audio_frames() >= 2)
+        client, _ = await streaming(native_server, 10, 7, answered=2)
         client.ws.transport.abort()  # no close frame: the TCP connection just goes
 
     run(scenario())

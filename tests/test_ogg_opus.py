@@ -13,6 +13,7 @@ import pytest
 from engines.config import FRAME_SAMPLES
 from orchestrator.protocol.audio import AudioError
 from orchestrator.protocol.ogg_opus import OggOpusDecoder, OggOpusEncoder
+from tests.native_support import ogg_page, page_ids
 
 
 def _decode_all(decoder: OggOpusDecoder, chunks: list[bytes], expected: int, wait_s: float = 5.0) -> np.ndarray:
@@ -134,6 +135,84 @@ def test_the_codec_thread_batches_encodes_and_hands_decoded_audio_back(speech_pc
             while not refused:
                 await asyncio.sleep(0.01)
             assert isinstance(refused[0], AudioError) and refused[0].code == "bad_audio"
+        finally:
+            codec.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_audio_a_stream_may_run_ahead_is_reckoned_before_decoding():
+    """Packets are counted and their duration read from their TOC bytes as pages complete,
+    whatever the chunking; a stream whose audio runs more than max_ahead_s ahead of real time
+    is refused before the reader sees it, however few bytes that audio takes."""
+    from orchestrator.protocol.ogg_opus import OggPages, opus_packet_samples
+
+    encoder = OggOpusEncoder()
+    per_frame = [b"".join(encoder.encode(np.zeros(FRAME_SAMPLES, np.float32))) for _ in range(10)]
+    stream = b"".join(per_frame)
+    for cut in (1, 5, 333, len(stream)):
+        pages = OggPages()
+        for i in range(0, len(stream), cut):
+            pages.check(stream[i:i + cut])
+        assert (pages.packets, pages.samples) == (2 + len(split_opus(stream)), 10 * FRAME_SAMPLES)
+    assert opus_packet_samples(bytes([(3 << 3) | 3, 2])) == 2 * 60 * 24  # two 60 ms SILK frames in 2 bytes
+
+    now = [0.0]
+    decoder = OggOpusDecoder(max_ahead_s=1.0, clock=lambda: now[0])
+    try:
+        tiny = ogg_page([bytes([(3 << 3) | 3, 2])] * 6, sequence=2)  # 18 bytes of packets: 0.72 s
+        decoder.feed(per_frame[0])  # OpusHead, OpusTags and 80 ms
+        decoder.feed(tiny)  # 0.8 s of the 1 s budget spent
+        now[0] = 0.5  # half a second later: 0.7 s left
+        with pytest.raises(AudioError) as refused:
+            decoder.feed(tiny)
+        assert refused.value.code == "input_backpressure"
+        with pytest.raises(AudioError):  # the stream stays ended
+            decoder.feed(tiny)
+    finally:
+        decoder.close()
+
+
+def split_opus(stream: bytes) -> list[bytes]:
+    """The audio pages of an encoder's stream (after OpusHead and OpusTags)."""
+    from orchestrator.protocol.ogg_opus import split_pages
+
+    return split_pages(stream)[2:]
+
+
+def test_one_broken_stream_does_not_cost_the_others_their_audio(speech_pcm):
+    """A stream that sphn can no longer take (its decoder stopped on a bad page) fails alone
+    (bad_audio); another stream's audio in the same batches is all handed back."""
+    import asyncio
+
+    from orchestrator.frontend.codec_thread import CodecThread
+
+    frames = speech_pcm[: 8 * FRAME_SAMPLES].reshape(8, FRAME_SAMPLES)
+    encoder = OggOpusEncoder()
+    per_frame = [b"".join(encoder.encode(frame)) for frame in frames]
+    serial, sequence = page_ids(per_frame[2])
+    # A well-formed page whose packet Opus refuses (code 3 with no frames): sphn 0.1's
+    # decoding thread stops there, 0.2 raises.
+    bad_page = ogg_page([bytes([0xFF, 0x00])], sequence=sequence, serial=serial)
+
+    async def scenario():
+        codec = CodecThread(asyncio.get_running_loop())
+        healthy, broken = OggOpusDecoder(), OggOpusDecoder()
+        got: list = []
+        failed: list = []
+        try:
+            for i, chunk in enumerate(per_frame):
+                codec.decode(healthy, chunk, got.append)
+                codec.decode(broken, bytes(bad_page) if i == 2 else chunk, failed.append)
+                await asyncio.sleep(0.02)
+            deadline = time.monotonic() + 5
+            while sum(len(x) for x in got) < 8 * FRAME_SAMPLES and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert sum(len(x) for x in got) == 8 * FRAME_SAMPLES
+            errors = [x for x in failed if isinstance(x, AudioError)]
+            assert errors and {e.code for e in errors} == {"bad_audio"}
+            codec.close(healthy)
+            codec.close(broken)
         finally:
             codec.stop()
 

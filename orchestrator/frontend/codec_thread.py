@@ -1,19 +1,22 @@
 """Opus work of a front-end worker's native sessions, off its event loop.
 
-One thread per worker runs every Ogg/Opus encode and decode of that worker's ``/api/chat``
-sessions (``protocol/ogg_opus.py``).  Work is asked for from the event loop and gathered
-there until the loop's current pass ends (``call_soon``): a tick's output frames, handed to
-the sessions in one go, become one job for the thread, and client audio that arrived in the
-same pass another.  The thread takes every job queued when it wakes and hands all their
-results back in one loop callback, where each result goes to the callback it was asked with.
+Two threads per worker run every Ogg/Opus encode and decode of that worker's ``/api/chat``
+sessions (``protocol/ogg_opus.py``): one encodes the model's frames, one decodes the clients'
+audio, so that client audio never queues behind a tick's worth of encoding (an input frame
+that arrives late misses its tick).  Work is asked for from the event loop and gathered there
+until the loop's current pass ends (``call_soon``): a tick's output frames, handed to the
+sessions in one go, become one job, and client audio that arrived in the same pass another.
+A thread takes every job queued when it wakes and hands all their results back in one loop
+callback, where each result goes to the callback it was asked with.
 
 sphn 0.1 decodes on a thread of its own per stream: ``feed`` only queues the bytes, so the
-PCM comes later.  Decoders with packets still in flight are polled here every ``POLL_S``
-(a cheap non-blocking read) until their packets are out, or until ``STALE_S`` passes
-without progress (a stream whose packets sphn skips, such as a second OpusTags).
+PCM comes later.  Decoders with packets still in flight are polled every ``POLL_S`` (a cheap
+non-blocking read) until their packets are out, or until ``STALE_S`` passes without progress
+(a stream whose packets sphn skips, such as a second OpusTags).
 
-sphn holds the interpreter lock while it encodes (0.4-1.1 ms per 80 ms frame): the loop can
-wait for one call plus the interpreter's switch interval, never for a whole batch in a row.
+sphn holds the interpreter lock while it encodes (~1.1-1.7 ms per 80 ms frame on the H200
+machine's host): the loop waits for one such call at a time, and the worker's switch
+interval is kept short while native sessions run (``Services.codec``).
 """
 
 from __future__ import annotations
@@ -37,22 +40,76 @@ POLL_S = 0.001  # how often decoders with packets in flight are read (sphn 0.1)
 STALE_S = 0.25  # a decoder that hands nothing back for this long is no longer polled
 
 Done = Callable[[Any], None]  # runs on the event loop with the result (or the exception)
+Job = Callable[[], list[tuple[Done, Any]]]
+
+
+class _JobThread:
+    """One thread running batches of jobs, results handed back to the loop in one callback
+    per batch; ``idle`` (if given) runs after each batch and every ``idle_s()`` seconds while
+    that is not None."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str, hand_back: Callable[[list], None],
+                 idle: Job | None = None, idle_s: Callable[[], float | None] = lambda: None) -> None:
+        self._loop = loop
+        self._hand_back = hand_back
+        self._idle = idle
+        self._idle_s = idle_s
+        self._cond = threading.Condition()
+        self._jobs: list[Job] = []  # guarded by _cond
+        self._stopping = False
+        self._name = name
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopping:
+                return  # serving has stopped: nobody waits for results any more
+            self._jobs.append(job)
+            self._cond.notify()
+
+    def stop(self, timeout: float) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        name_os_thread(self._name)  # top -H tells the Opus work from the event loop's
+        while True:
+            with self._cond:
+                if not self._jobs and not self._stopping:
+                    self._cond.wait(self._idle_s())
+                if self._stopping:
+                    return
+                jobs, self._jobs = self._jobs, []
+            results: list[tuple[Done, Any]] = []
+            for job in jobs:
+                try:
+                    results.extend(job())
+                except Exception:  # noqa: BLE001 - a job's own errors go to its callbacks
+                    log.exception("an Opus job failed")
+            if self._idle is not None:
+                results.extend(self._idle())
+            if results:
+                try:
+                    self._loop.call_soon_threadsafe(self._hand_back, results)
+                except RuntimeError:  # the loop has closed: serving is over
+                    return
 
 
 class CodecThread:
-    def __init__(self, loop: asyncio.AbstractEventLoop, name: str = "personaplex-opus") -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._cond = threading.Condition()
-        self._jobs: list[Callable[[], list[tuple[Done, Any]]]] = []  # guarded by _cond
-        self._stopping = False
         # Gathered on the loop until its pass ends (loop thread only).
         self._encodes: list[tuple[OggOpusEncoder, np.ndarray, Done]] = []
         self._decodes: list[tuple[OggOpusDecoder, bytes, Done]] = []
-        # Decoders whose packets sphn 0.1 is still decoding (codec thread only):
+        # Decoders whose packets sphn 0.1 is still decoding (decoding thread only):
         # decoder -> (its callback, when it last handed something back).
         self._in_flight: dict[OggOpusDecoder, tuple[Done, float]] = {}
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._out = _JobThread(loop, "pp-opus-out", self._hand_back)
+        self._in = _JobThread(loop, "pp-opus-in", self._hand_back, idle=self._poll_in_flight,
+                              idle_s=lambda: POLL_S if self._in_flight else None)
 
     # Asked for on the event loop -------------------------------------------------------------
     def encode(self, encoder: OggOpusEncoder, pcm: np.ndarray, done: Done) -> None:
@@ -64,7 +121,7 @@ class CodecThread:
 
     def decode(self, decoder: OggOpusDecoder, data: bytes, done: Done) -> None:
         """Feed ``data`` to ``decoder``; ``done`` gets each piece of PCM as it is decoded
-        (possibly several calls, possibly empty) or the ``AudioError`` that ends the stream."""
+        (possibly several calls) or the ``AudioError`` that ends the stream."""
         if not self._decodes:
             self._loop.call_soon(self._submit_decodes)
         self._decodes.append((decoder, data, done))
@@ -75,68 +132,42 @@ class CodecThread:
             self._in_flight.pop(decoder, None)
             decoder.close()
             return []
-        self._submit(job)
+        self._in.submit(job)
 
     def stop(self, timeout: float = 5.0) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join(timeout)
+        self._out.stop(timeout)
+        self._in.stop(timeout)
 
     def _submit_encodes(self) -> None:
         batch, self._encodes = self._encodes, []
-        self._submit(lambda: [(done, _encoded(encoder, pcm)) for encoder, pcm, done in batch])
+        self._out.submit(lambda: [(done, _encoded(encoder, pcm)) for encoder, pcm, done in batch])
 
     def _submit_decodes(self) -> None:
         batch, self._decodes = self._decodes, []
-        self._submit(lambda: [result for decoder, data, done in batch
-                              if (result := self._feed(decoder, data, done)) is not None])
+        self._in.submit(lambda: [result for decoder, data, done in batch
+                                 if (result := self._feed(decoder, data, done)) is not None])
 
-    def _submit(self, job: Callable[[], list[tuple[Done, Any]]]) -> None:
-        with self._cond:
-            if self._stopping:
-                return  # serving has stopped: nobody waits for results any more
-            self._jobs.append(job)
-            self._cond.notify()
-
-    def _hand_back(self, results: list[tuple[Done, Any]]) -> None:
+    @staticmethod
+    def _hand_back(results: list[tuple[Done, Any]]) -> None:
         for done, value in results:
             try:
                 done(value)
             except Exception:  # noqa: BLE001 - one session's failure must not lose the others' results
                 log.exception("a native session failed to take its Opus result")
 
-    # On the codec thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        name_os_thread("pp-opus")  # top -H tells the Opus work from the event loop's
-        while True:
-            with self._cond:
-                if not self._jobs and not self._stopping:
-                    self._cond.wait(POLL_S if self._in_flight else None)
-                if self._stopping:
-                    return
-                jobs, self._jobs = self._jobs, []
-            results: list[tuple[Done, Any]] = []
-            for job in jobs:
-                try:
-                    results.extend(job())
-                except Exception:  # noqa: BLE001 - a job's own errors go to its callbacks
-                    log.exception("an Opus job failed")
-            if self._in_flight:
-                results.extend(self._poll_in_flight())
-            if results:
-                try:
-                    self._loop.call_soon_threadsafe(self._hand_back, results)
-                except RuntimeError:  # the loop has closed: serving is over
-                    return
-
+    # On the decoding thread ------------------------------------------------------------------
     def _feed(self, decoder: OggOpusDecoder, data: bytes, done: Done) -> tuple[Done, Any] | None:
-        """Feed one chunk; the result to hand back, if there is one yet."""
+        """Feed one chunk; the result to hand back, if there is one yet.  Whatever goes wrong
+        is this stream's alone: it ends as ``bad_audio`` (sphn raises its own errors once its
+        decoding thread has stopped) and the other streams of the batch go on."""
         try:
             pcm: Any = decoder.feed(data)
         except AudioError as exc:
             self._in_flight.pop(decoder, None)
             return done, exc
+        except Exception as exc:  # noqa: BLE001
+            self._in_flight.pop(decoder, None)
+            return done, AudioError("bad_audio", f"input audio could not be decoded ({type(exc).__name__})")
         if decoder.waiting:
             since = self._in_flight[decoder][1] if decoder in self._in_flight else time.monotonic()
             self._in_flight[decoder] = (done, since if not len(pcm) else time.monotonic())
@@ -150,6 +181,8 @@ class CodecThread:
                 pcm: Any = decoder.poll()
             except AudioError as exc:
                 pcm = exc
+            except Exception as exc:  # noqa: BLE001 - as in _feed
+                pcm = AudioError("bad_audio", f"input audio could not be decoded ({type(exc).__name__})")
             if len(pcm) if isinstance(pcm, np.ndarray) else True:
                 results.append((done, pcm))
                 since = now

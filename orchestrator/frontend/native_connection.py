@@ -57,7 +57,7 @@ class NativeConnection:
         self._engine: DeviceEngine | None = None
         self._cleanup: concurrent.futures.Future | None = None
         self._rate = EventRate(self.settings.max_events_per_s, self.settings.max_input_bytes_per_s,
-                               self.settings.max_event_bytes)
+                               self.settings.max_native_message_bytes)
         self._dropped = 0
         self._last_drop_log = float("-inf")
 
@@ -97,8 +97,12 @@ class NativeConnection:
         except ProtocolError as exc:
             await self._refuse(exc)
             return None
-        session = NativeSession(session_id, scheduler=engine.scheduler, settings=self.settings,
-                                metrics=services.metrics, codec=services.codec())
+        try:
+            session = NativeSession(session_id, scheduler=engine.scheduler, settings=self.settings,
+                                    metrics=services.metrics, codec=services.codec())
+        except BaseException:  # e.g. no thread left for the stream's decoder: give the slot back
+            engine.close(session_id)
+            raise
         services.sessions[session_id] = session
         if services.draining:  # the drain began while the slot was being prepared
             session.request_stop("shutdown")
@@ -142,8 +146,8 @@ class NativeConnection:
         if isinstance(message, str):
             self._drop(session, "text_frame", "text frames are not part of this protocol (binary only)")
             return
-        if size > self.settings.max_event_bytes:
-            self._drop(session, "oversize", f"a message of {size} bytes (limit {self.settings.max_event_bytes})")
+        if size > self.settings.max_native_message_bytes:
+            self._drop(session, "oversize", f"a message of {size} bytes (limit {self.settings.max_native_message_bytes})")
             return
         try:
             kind, payload = native.split(message)
@@ -179,6 +183,7 @@ class NativeConnection:
     async def _finish(self, session: NativeSession, reason: str, sender: asyncio.Future) -> None:
         """A server-side end: free the slot, say why (0x05), flush, close frame."""
         timeout = self.settings.close_timeout_s
+        session.request_stop(reason)  # nothing more is queued (encodes still in flight included)
         await self.services.wait_closed(session.id, self._release(session, reason))
         end = _END_MESSAGES.get(reason)
         if end is not None:

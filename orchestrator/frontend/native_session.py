@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 PROTOCOL = "native"
 _F32_FRAME_BYTES = FRAME_SAMPLES * 4
+FRAME_S = FRAME_SAMPLES / SAMPLE_RATE  # seconds per frame
 _REPORT_EVERY_S = 1.0  # repeated input errors (backpressure) are reported at most this often
 
 
@@ -48,7 +49,8 @@ class NativeSession:
         self._metrics = metrics
         self._codec = codec
         self._encoder = OggOpusEncoder()
-        self._decoder = OggOpusDecoder()
+        # Client audio may run ahead of real time by as much as the Realtime route lets queue.
+        self._decoder = OggOpusDecoder(max_ahead_s=settings.max_pending_input_bytes / _F32_FRAME_BYTES * FRAME_S)
         self._input = InputStream(SAMPLE_RATE)
         self._max_pending_frames = max(1, settings.max_pending_input_bytes // _F32_FRAME_BYTES)
         # Arrival (monotonic) of each client frame handed to the scheduler and not yet
@@ -100,10 +102,11 @@ class NativeSession:
         if not self._open or self.stop.done():
             return
         if isinstance(pcm, AudioError):
-            # The Ogg stream cannot be resynchronised: the rest of the call would be unheard.
+            # bad_audio: the Ogg stream cannot be resynchronised, the rest of the call would go
+            # unheard; input_backpressure: skipping audio would cut the stream mid-page.
             log.info("session %s: %s", self.id, pcm)
             self.emit_error(ProtocolError(pcm.code, str(pcm)))
-            self.request_stop("bad_audio")
+            self.request_stop(pcm.code)
             return
         if self._scheduler.pending(self.id) + self._input.frames_after(len(pcm)) > self._max_pending_frames:
             self._report(ProtocolError("input_backpressure", f"more than {self._settings.max_pending_input_bytes} "

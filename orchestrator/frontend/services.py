@@ -266,6 +266,9 @@ class Services:
         """This worker's Opus thread (started by its first native session)."""
         if self._codec is None:
             self._codec = CodecThread(asyncio.get_running_loop())
+            # sphn holds the interpreter lock while it encodes; between its calls the event loop
+            # should get the lock back at once, not after the default 5 ms switch interval.
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         return self._codec
 
     def count_refusal(self, reason: str) -> None:

@@ -27,7 +27,7 @@ from .probe import RealtimeProbe
 from .wire import FRAME_SAMPLES, SAMPLE_RATE_HZ
 
 HANDSHAKE, AUDIO, TEXT, ERROR = 0, 1, 2, 5
-SERVER_KINDS = frozenset({HANDSHAKE, AUDIO, TEXT, 3, 4, ERROR, 6})
+SERVER_KINDS = frozenset({HANDSHAKE, AUDIO, TEXT, 4, ERROR, 6})  # 3 (control) is the client's
 DECODE_WAIT_S = 10.0  # sphn 0.1 decodes on a thread of its own: how long to wait for it
 
 

@@ -1,7 +1,7 @@
 """The native ``/api/chat`` protocol as the load driver speaks it (``--protocol native``):
 the URL, the input frames as Ogg/Opus messages, and the duration of each Opus packet that
 comes back (read from its TOC byte, RFC 6716 section 3.1, so a packet's arrival counts
-its samples without decoding it on the clock)."""
+its samples without decoding it on the clock: ``opus_packet_samples``, shared with the server)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,12 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 
-from orchestrator.protocol.ogg_opus import OggOpusEncoder
+from orchestrator.protocol.ogg_opus import OggOpusEncoder, opus_packet_samples
 
-from .wire import SAMPLE_RATE_HZ
+__all__ = ["chat_url", "frame_messages", "opus_packet_samples", "page_packets"]
 
 AUDIO_KIND = 1
 OPUS_HEADER_MAGICS = (b"OpusHead", b"OpusTags")
-# Frame duration of each TOC configuration, in units of 1/400 s (2.5 ms): SILK 10/20/40/60 ms,
-# hybrid 10/20 ms, CELT 2.5/5/10/20 ms.
-_CONFIG_QUARTER_MS = (4, 8, 16, 24) * 3 + (4, 8) * 2 + (1, 2, 4, 8) * 4
 
 
 def chat_url(base_url: str, *, voice: str, persona: str) -> str:
@@ -35,23 +32,6 @@ def frame_messages(frames: np.ndarray) -> list[bytes]:
     stream's header pages: every session of a run sends the same bytes, encoded once."""
     encoder = OggOpusEncoder()
     return [bytes([AUDIO_KIND]) + b"".join(encoder.encode(frame)) for frame in frames]
-
-
-def opus_packet_samples(packet: bytes, rate: int = SAMPLE_RATE_HZ) -> int:
-    """Samples at ``rate`` that one Opus packet decodes to (0 for an empty or malformed one)."""
-    if not packet:
-        return 0
-    toc = packet[0]
-    code = toc & 3
-    if code == 0:
-        count = 1
-    elif code in (1, 2):
-        count = 2
-    elif len(packet) > 1:
-        count = packet[1] & 0x3F
-    else:
-        return 0
-    return _CONFIG_QUARTER_MS[toc >> 3] * count * rate // 400
 
 
 def page_packets(page: bytes) -> list[bytes] | None:

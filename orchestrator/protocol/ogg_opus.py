@@ -25,6 +25,9 @@ So encoding is the native route's main CPU cost: at 152 sessions, ~2 cores in al
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 
 from engines.config import FRAME_SAMPLES, SAMPLE_RATE
@@ -37,54 +40,91 @@ _HEADER_BYTES = 27  # up to and including the segment count
 _HEADER_PACKETS = 2  # OpusHead, OpusTags
 
 
+# Frame duration of each Opus TOC configuration in units of 2.5 ms (RFC 6716 section 3.1):
+# SILK 10/20/40/60 ms, hybrid 10/20 ms, CELT 2.5/5/10/20 ms.
+_CONFIG_QUARTER_MS = (4, 8, 16, 24) * 3 + (4, 8) * 2 + (1, 2, 4, 8) * 4
+_OPUS_HEADERS = (b"OpusHead", b"OpusTags")
+MAX_PAGE_BYTES = _HEADER_BYTES + 255 + 255 * 255
+
+
+def opus_packet_samples(packet: bytes, rate: int = SAMPLE_RATE) -> int:
+    """Samples at ``rate`` that one Opus packet decodes to, from its TOC byte (and frame
+    count byte); 0 for an empty or truncated one."""
+    if not packet:
+        return 0
+    toc = packet[0]
+    code = toc & 3
+    if code == 0:
+        count = 1
+    elif code in (1, 2):
+        count = 2
+    elif len(packet) > 1:
+        count = packet[1] & 0x3F
+    else:
+        return 0
+    return _CONFIG_QUARTER_MS[toc >> 3] * count * rate // 400
+
+
 class OggPages:
-    """Where the pages of an Ogg stream begin, across chunks: each must start with the
-    capture pattern.  sphn 0.1 silently skips bytes up to the next page while 0.2 refuses
-    them; checking here gives one answer (a typed error) on both.  Also counts the packets
-    whose last byte has arrived (``packets``), so that a reader decoding on a thread of its
-    own (sphn 0.1) knows how many to wait for."""
+    """The pages of an Ogg/Opus stream as it arrives in chunks: each must start with the
+    capture pattern (sphn 0.1 silently skips bytes up to the next page while 0.2 refuses
+    them; checking here gives one answer, a typed error, on both).  Each page is held until
+    whole (at most ``MAX_PAGE_BYTES``), then its packets are counted (``packets``: those whose
+    last byte has arrived, headers included) and their audio reckoned from their TOC bytes
+    (``samples`` at 24 kHz, headers excluded), before the reader is given them: what a
+    stream will decode to is known before it is decoded."""
 
     def __init__(self) -> None:
-        self._head = b""  # the start of a page header not yet complete
-        self._skip = 0  # bytes of the current page still to come after its header
-        self._ending = 0  # packets that end on the current page (counted once its body is in)
+        self._page = bytearray()  # the page being received
+        self._need = _HEADER_BYTES  # its length, once known; until then the header's
+        self._continued = b""  # the start of a packet that goes on past its page
         self.packets = 0
+        self.samples = 0
 
     def check(self, data: bytes) -> list[int]:
         """Follow ``data``; returns the offsets in it just past each page that ends there."""
         ends: list[int] = []
-        view = memoryview(data)
-        while len(view):
-            if self._skip:
-                step = min(self._skip, len(view))
-                self._skip -= step
-                view = view[step:]
-                if not self._skip:
-                    self.packets += self._ending
-                    ends.append(len(data) - len(view))
+        at = 0
+        while at < len(data):
+            take = min(self._need - len(self._page), len(data) - at)
+            self._page += data[at:at + take]
+            at += take
+            if not self._page[:4].startswith(_CAPTURE[:len(self._page)]):
+                raise AudioError("bad_audio", "a page does not begin with OggS")
+            if len(self._page) < self._need:
+                break
+            if self._need == _HEADER_BYTES:
+                self._need += self._page[26]
                 continue
-            need = _HEADER_BYTES - len(self._head) if len(self._head) < _HEADER_BYTES else 0
-            if need:
-                self._head += bytes(view[:need])
-                view = view[need:]
-                if not _CAPTURE.startswith(self._head[:4]):
-                    raise AudioError("bad_audio", "a page does not begin with OggS")
-                if len(self._head) < _HEADER_BYTES:
-                    return ends
-            segments = self._head[26]
-            table = bytes(view[: _HEADER_BYTES + segments - len(self._head)])
-            self._head += table
-            view = view[len(table):]
-            if len(self._head) < _HEADER_BYTES + segments:
-                return ends
-            lacing = self._head[_HEADER_BYTES:]
-            self._ending = sum(1 for size in lacing if size < 255)  # a lacing value < 255 ends a packet
-            self._skip = sum(lacing)
-            self._head = b""
-            if not self._skip:
-                self.packets += self._ending
-                ends.append(len(data) - len(view))
+            if self._need == _HEADER_BYTES + self._page[26]:
+                body = sum(self._page[_HEADER_BYTES:self._need])
+                if body:
+                    self._need += body
+                    continue
+            self._count(bytes(self._page))
+            ends.append(at)
+            self._page = bytearray()
+            self._need = _HEADER_BYTES
         return ends
+
+    def _count(self, page: bytes) -> None:
+        segments = page[26]
+        lacing = page[_HEADER_BYTES:_HEADER_BYTES + segments]
+        start = _HEADER_BYTES + segments
+        size = 0
+        for value in lacing:
+            size += value
+            if value < 255:  # a packet ends here
+                self._packet(self._continued + page[start:start + size])
+                self._continued = b""
+                start, size = start + size, 0
+        if size:  # goes on on the next page: keep its start (its TOC bytes)
+            self._continued = (self._continued + page[start:start + size])[:2]
+
+    def _packet(self, packet: bytes) -> None:
+        self.packets += 1
+        if not packet.startswith(_OPUS_HEADERS):
+            self.samples += opus_packet_samples(packet)
 
 
 def split_pages(data: bytes) -> list[bytes]:
@@ -130,7 +170,13 @@ class OggOpusDecoder:
     packet Opus cannot decode, raise ``AudioError("bad_audio")``, then and on every later
     call: the stream cannot be resynchronised."""
 
-    def __init__(self, sample_rate: int = SAMPLE_RATE) -> None:
+    def __init__(self, sample_rate: int = SAMPLE_RATE, max_ahead_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``max_ahead_s``: how far the audio fed may run ahead of real time (None: no
+        limit).  A stream's audio is a budget that fills at one second per second up to
+        ``max_ahead_s``; each page spends its duration (read from its packets' TOC bytes,
+        before decoding: a few bytes of Opus can stand for a second of audio); a page over
+        budget is refused with ``AudioError("input_backpressure")`` and the stream ends."""
         import sphn
 
         self._reader = sphn.OpusStreamReader(sample_rate)
@@ -138,6 +184,10 @@ class OggOpusDecoder:
         self._broken: str | None = None
         self._pages = OggPages()
         self._decoded = 0  # audio packets handed back (sphn 0.1)
+        self._max_ahead_s = max_ahead_s
+        self._clock = clock
+        self._budget_s = max_ahead_s or 0.0
+        self._budget_at = clock()
 
     @property
     def waiting(self) -> int:
@@ -150,10 +200,12 @@ class OggOpusDecoder:
 
     def feed(self, data: bytes) -> np.ndarray:
         self._check()
+        before = self._pages.samples
         try:
             ends = self._pages.check(data)
         except AudioError as exc:
             self._fail(str(exc))
+        self._spend((self._pages.samples - before) / SAMPLE_RATE)
         if not self._decodes_aside:
             # sphn 0.2 decodes a chunk into a buffer of its own size (~5 s of audio): a chunk
             # holding more fails, so it gets one page at a time.
@@ -199,7 +251,20 @@ class OggOpusDecoder:
         if close is not None:
             close()
 
+    def _spend(self, seconds: float) -> None:
+        if self._max_ahead_s is None or not seconds:
+            return
+        now = self._clock()
+        self._budget_s = min(self._max_ahead_s, self._budget_s + now - self._budget_at) - seconds
+        self._budget_at = now
+        if self._budget_s < 0:
+            self._broken = "input_backpressure"
+            raise AudioError("input_backpressure", f"the audio sent runs more than {self._max_ahead_s:g} s ahead of "
+                             "real time")
+
     def _check(self) -> None:
+        if self._broken == "input_backpressure":
+            raise AudioError("input_backpressure", "this stream was ended: its audio ran ahead of real time")
         if self._broken is not None:
             raise AudioError("bad_audio", f"input audio is not Ogg/Opus: {self._broken}")
 

@@ -27,7 +27,7 @@ TOP_LEVEL_FIELDS = {
     # added by this driver (the reference's fields above are unchanged)
     "processes", "start_spread_ms", "client_bottleneck_threshold_ms", "max_stream_lag_ms", "max_gap_ms", "hold_stream_lag_p99_ms",
     "hold_max_gap_ms", "stream_lag_ms", "max_output_gap_ms", "client_send_lateness_ms", "client_bottleneck",
-    "holding_sessions", "stream_lag_definition", "server_fed_definition"}
+    "holding_sessions", "stream_lag_definition", "server_fed_definition", "protocol"}
 ROW_FIELDS = {
     "index", "session_id", "ok", "error", "acceptance_check", "server_error_count", "server_error_codes",
     "protocol_violations", "input_frames", "output_samples", "frame_deficit", "response_ids",
@@ -69,6 +69,7 @@ def test_load_two_clean_sessions(tone_wav, tmp_path):
     assert set(result) == TOP_LEVEL_FIELDS
     assert result["ok"] is True and result["passed_sessions"] == 2 and result["requested_sessions"] == 2
     assert result["mode"] == "paced_multi_session" and result["schema_version"] == 1
+    assert result["protocol"] == "realtime"
     assert result["input"]["load_frames"] == FRAMES and result["input"]["tail_s"] == 0.2
     assert result["reported_server"] == {"revision": "abc123", "hardware": "scripted"}
     assert result["shared_response_ids"] == [] and result["acceptance"]["require_scheduler_data_plane"] is False
