@@ -35,3 +35,20 @@ def test_plot_refuses_a_file_that_is_not_a_report(tmp_path, capsys):
     assert bench_plot.main([str(bad), "--output", str(tmp_path / "x.png")]) == 2
     assert "not an engines.bench report" in capsys.readouterr().err
     assert bench_plot.main([str(tmp_path / "missing.json"), "--output", str(tmp_path / "x.png")]) == 2
+
+
+def test_the_opus_worker_bench_decodes_every_page_and_reports(tmp_path, capsys):
+    """The native route's Opus bench on real speech: every client page comes back as PCM, every
+    tick's encodes come back, and the JSON says what ran."""
+    from tests.e2e.online_serving import opus_worker_bench
+
+    out = tmp_path / "opus.json"
+    assert opus_worker_bench.main(["--sessions", "3", "--seconds", "0.8", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["pages_decoded"] == result["pages_sent"] == 3 * 10 and result["ticks"] == 10
+    for key in ("decode_latency_ms", "tick_encode_ms", "loop_timer_late_ms"):
+        assert 0 <= result[key]["p50"] <= result[key]["p99"] <= result[key]["max"]
+    assert result["sessions"] == 3 and result["git_revision"] and isinstance(result["cpu_cores_by_thread"], dict)
+    assert "decode_latency_ms" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        opus_worker_bench.main(["--sessions", "0"])
