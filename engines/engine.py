@@ -239,9 +239,13 @@ class PersonaPlexEngine:
         if not self._free:
             raise NoFreeSlot(f"all {self.num_slots} session slots are in use")
         slot = self._free.pop(0)
-        self._specs[slot] = spec
-        self.settings.set(slot, spec)
-        self._install(slot, prefill)
+        try:
+            self._specs[slot] = spec
+            self.settings.set(slot, spec)
+            self._install(slot, prefill)
+        except BaseException:
+            self._give_back(slot)  # whatever failed, the slot is not lost
+            raise
         return slot
 
     def restart_slot(self, slot: int) -> None:
@@ -250,11 +254,17 @@ class PersonaPlexEngine:
 
     def close_slot(self, slot: int) -> None:
         self._spec(slot)
-        del self._specs[slot]
-        # Wipe now rather than on the next open: nothing of this session stays reachable.
-        self._reset(slot)
-        self._free.append(slot)
-        self._free.sort()
+        self._give_back(slot)
+
+    def _give_back(self, slot: int) -> None:
+        """Return ``slot`` to the free list, wiped now rather than on the next open: nothing of
+        its session stays reachable.  The slot is free even if the wipe raises."""
+        self._specs.pop(slot, None)
+        try:
+            self._reset(slot)
+        finally:
+            self._free.append(slot)
+            self._free.sort()
 
     def capture_graphs(self) -> None:
         """Capture the tick graph of every batch bucket now (start-up), not on first use."""

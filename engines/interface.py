@@ -42,6 +42,27 @@ class InvalidSessionSpec(EngineError):
     code = "invalid_voice"
 
 
+def shown(value: object, limit: int = 64) -> str:
+    """A client's value as it may appear in an error message or a log line: its ``repr``
+    (control characters and quotes escaped, so it cannot forge a line) cut to ``limit``
+    characters, saying how long it was."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters as text"
+    return f"{text[:limit]}... ({size})"
+
+
+def is_text(value: str) -> bool:
+    """Whether ``value`` is text the tokenizer can take: a JSON string may hold lone UTF-16
+    surrogates (``"\\ud800"``), which no UTF-8 encoder accepts."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_voice_name(name: str) -> None:
     """A voice is a bare ``.pt`` basename: no directories, no ``..``.  Here, not in
     ``voices.py``, so that the front end (no torch) checks names with the same rule."""
@@ -55,7 +76,7 @@ def check_voice_name(name: str) -> None:
         or name.startswith(".")
         or "\x00" in name
     ):
-        raise InvalidSessionSpec(f"invalid voice {name!r}: expected a bare '.pt' file name such as 'NATF2.pt'")
+        raise InvalidSessionSpec(f"invalid voice {shown(name)}: expected a bare '.pt' file name such as 'NATF2.pt'")
 
 
 class PrefillUnavailable(EngineError):
@@ -84,6 +105,13 @@ class SlotFault(EngineError):
         self.outputs = list(outputs) if outputs is not None else None
 
 
+# The ranges the engine stores sampling settings in (float32 and int64 per slot).  Above
+# MAX_TEMPERATURE sampling is uniform to float32 precision anyway; top-k wider than any
+# vocabulary means "all tokens".
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1 << 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings of one session (reference defaults)."""
@@ -95,10 +123,12 @@ class SamplingParams:
     topk_text: int = 25
 
     def __post_init__(self) -> None:
-        if self.temp_audio < 0 or self.temp_text < 0:
-            raise ValueError("temperatures must be >= 0")
-        if self.topk_audio < 1 or self.topk_text < 1:
-            raise ValueError("top-k must be >= 1")
+        for temperature in (self.temp_audio, self.temp_text):
+            if not 0 <= temperature <= MAX_TEMPERATURE:  # also refuses NaN
+                raise ValueError(f"temperatures must be in [0, {MAX_TEMPERATURE:g}], got {temperature!r}")
+        for top_k in (self.topk_audio, self.topk_text):
+            if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
+                raise ValueError(f"top-k must be an integer in [1, {MAX_TOP_K}], got {top_k!r}")
 
 
 @dataclass(frozen=True)
@@ -109,6 +139,10 @@ class SessionSpec:
     persona: str = DEFAULT_PERSONA
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None  # None: drawn by the engine
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.persona, str) or not is_text(self.persona):
+            raise ValueError("the persona must be text (a lone surrogate cannot be tokenized)")
 
     @property
     def effective_persona(self) -> str:

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from .errors import CheckpointError
-from .interface import InvalidSessionSpec, PrefillUnavailable, check_voice_name
+from .interface import InvalidSessionSpec, PrefillUnavailable, check_voice_name, shown
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class VoiceStore:
         """``InvalidSessionSpec`` unless ``name`` is a well-formed name of a known voice."""
         check_voice_name(name)
         if name not in self.names():
-            raise InvalidSessionSpec(f"unknown voice {name!r}; available: {', '.join(self.names()) or 'none'}")
+            raise InvalidSessionSpec(f"unknown voice {shown(name)}; available: {', '.join(self.names()) or 'none'}")
 
     def load(self, name: str) -> VoicePrompt:
         check_voice_name(name)
@@ -152,7 +152,7 @@ class VoiceStore:
             try:
                 data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
             except Exception as exc:  # unpickling errors come in many types
-                raise PrefillUnavailable(f"voice {name!r} could not be read ({source}): {exc}") from exc
+                raise PrefillUnavailable(f"voice {shown(name)} could not be read ({source}): {exc}") from exc
             try:
                 emb, cache = parse_voice_file(data, self.dim, self.num_streams, source)
             except CheckpointError as exc:
@@ -176,4 +176,4 @@ class VoiceStore:
         members = self._archive()
         if name in members:
             return members[name], f"{self.archive}:{name}"
-        raise InvalidSessionSpec(f"unknown voice {name!r}; available: {', '.join(self.names()) or 'none'}")
+        raise InvalidSessionSpec(f"unknown voice {shown(name)}; available: {', '.join(self.names()) or 'none'}")

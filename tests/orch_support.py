@@ -326,3 +326,13 @@ class Client:
 
     async def close(self) -> None:
         await self.ws.close()
+
+
+async def works(client: Client) -> None:
+    """Open a session, get two frames of audio back, close."""
+    await client.open()
+    for frame in speech_frames(2):
+        await client.send(f32_append(frame))
+    await client.wait_audio_frames(2)
+    await client.send({"type": "session.close"})
+    await client.wait_closed()

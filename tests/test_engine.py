@@ -161,6 +161,42 @@ def test_slot_errors(tiny_checkpoint):
         engine.step([slot], np.zeros((1, 1920), np.float32))
 
 
+@pytest.mark.parametrize("failing", ["settings.set", "kv.install", "tokens.restore", "kv.reset", "mimi.reset"])
+def test_an_open_that_fails_after_taking_its_slot_gives_it_back(tiny_checkpoint, monkeypatch, speech_pcm, failing):
+    """Each step of installing a session after its slot is taken, made to raise: the error
+    reaches the caller, the slot is free again and serves the next session as a fresh one."""
+    engine = make_engine(tiny_checkpoint, slots=1)
+    spec = SessionSpec(sampling=GREEDY)
+    expected = run(engine, [engine.open_slot(spec)], speech_frames(speech_pcm, 1.0, 4)[None])[0]
+    close_all(engine)
+    owner_name, method = failing.split(".")
+    owner = getattr(engine, owner_name)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError(f"{failing} failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(owner, method, boom)
+        with pytest.raises(RuntimeError, match="failed"):
+            engine.open_slot(spec)
+    assert engine.free_slots() == 1 and not engine._specs
+    again = run(engine, [engine.open_slot(spec)], speech_frames(speech_pcm, 1.0, 4)[None])[0]
+    assert again[0] == expected[0] and np.array_equal(again[1], expected[1])
+
+
+def test_sampling_settings_outside_what_the_engine_stores_are_refused():
+    from engines.interface import MAX_TEMPERATURE, MAX_TOP_K
+
+    for bad in (dict(temp_text=1e39), dict(temp_audio=float("nan")), dict(temp_text=-1.0),
+                dict(temp_audio=MAX_TEMPERATURE * 2), dict(topk_text=MAX_TOP_K + 1), dict(topk_audio=0),
+                dict(topk_text=2.5)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="persona"):
+        SessionSpec(persona="\ud800 hello \udfff")
+    SamplingParams(temp_text=MAX_TEMPERATURE, topk_audio=MAX_TOP_K)  # the bounds themselves are fine
+
+
 def test_sixteen_step_depformer_gives_the_same_agent_audio(tiny_checkpoint, speech_pcm):
     """User-side depformer steps are dead compute: running all 16 changes nothing (greedy)."""
     frames = speech_frames(speech_pcm, 4.0, 20)[None]

@@ -121,6 +121,11 @@ HANDSHAKE = [
     ("wrong_session_rate", "", {"type": "session.update", "session": {"sample_rate_hz": 5}}, "bad_event"),
     ("unsupported_output", "", {"type": "session.update", "session": {"output_audio_format": "opus"}},
      "unsupported_audio_format"),
+    ("output_rate_beside_a_legacy_format", "", {"type": "session.update", "session": {
+        "output_audio_format": "pcm16", "audio": {"output": {"format": {"type": "audio/pcm", "rate": 16000}}}}},
+     "unsupported_audio_format"),
+    ("idle_timeout_beyond_an_hour", "", {"type": "session.update", "session": {"idle_timeout_s": 1e9}}, "bad_event"),
+    ("temperature_beyond_float32", "", {"type": "session.update", "session": {"temperature": 1e39}}, "bad_event"),
     ("first_message_timeout", "", None, "config_timeout"),
     ("first_message_bad_json", "", "{oops", "invalid_json"),
     ("first_message_not_object", "", '"session.update"', "bad_event"),

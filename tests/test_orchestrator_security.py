@@ -19,7 +19,7 @@ from orchestrator.frontend.limits import ClientLimits, EventRate
 from orchestrator.frontend.listeners import ListenerWatch, bind_host, find_listeners, is_loopback
 from orchestrator.settings import Settings, SettingsError
 from tests.native_support import NativeClient, chat_url, ogg_pages
-from tests.orch_support import REPO, Client, Server, f32_append, run, speech_frames
+from tests.orch_support import REPO, Client, Server, f32_append, run, speech_frames, works
 
 KEYS = ("key-a", "key-b", "key-c")
 _ADDRESSES = (f"198.51.100.{i}" for i in itertools.count(1))
@@ -45,16 +45,6 @@ async def connect(server: Server, key: str | None = "key-a", address: str | None
         headers["Authorization"] = f"Bearer {key}"
     return await Client.connect(server.ws + "/v1/realtime" + kwargs.pop("query", ""), additional_headers=headers,
                                 **kwargs)
-
-
-async def works(client: Client) -> None:
-    """Open a session, get two frames of audio back, close."""
-    await client.open()
-    for frame in speech_frames(2):
-        await client.send(f32_append(frame))
-    await client.wait_audio_frames(2)
-    await client.send({"type": "session.close"})
-    await client.wait_closed()
 
 
 def refused_status(server: Server, **kwargs) -> int:

@@ -132,6 +132,9 @@ def test_voices_endpoint_and_static_files(orch_page_server: Server):
         assert status == 200, name
     assert orch_page_server.get("/static/%2e%2e/web.py")[0] == 404
     assert orch_page_server.get("/static/nothing.js")[0] == 404
+    # Names the file system cannot take (too long, a NUL, a directory) are 404s too, not 500s.
+    for name in ("a" * 300, "a/" * 200 + "x.js", "%00.js", "x%00/../app.js", "", "."):
+        assert orch_page_server.get(f"/static/{name}")[0] == 404, name
 
 
 def test_page_talks_to_the_model(page, orch_page_server: Server, tmp_path_factory):

@@ -235,7 +235,7 @@ class Connection:
         timeout = self.settings.close_timeout_s
         await self.services.wait_closed(session.id, self._release(session, reason))  # then (reference) the event
         session.emit({"type": "session.closed", "session_id": session.id, "reason": reason,
-                      "event": {"type": "session.close", "reason": reason}}, force=True)
+                      "event": {"type": "session.close", "reason": session.client_reason or reason}}, force=True)
         try:
             await asyncio.wait_for(session.outbox.drained(), timeout)
         except asyncio.TimeoutError:

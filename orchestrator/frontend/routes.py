@@ -13,6 +13,8 @@ import time
 
 from quart import Quart, Response, jsonify, request, websocket
 
+from engines.interface import shown
+
 from ..protocol.errors import ProtocolError
 from ..settings import Settings, StartupError
 from .access import Caller
@@ -21,6 +23,7 @@ from .native_connection import NativeConnection
 from .services import EngineFactory, Services
 from .start_failure import end_start_up
 from .web import register_web
+from .ws_compression import refuse_permessage_deflate
 from .ws_drain import DrainAfterClose
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory |
     engines in this process (``Services``).  ``exit_on_start_failure``: a start-up that
     cannot succeed ends this process with one line and a nonzero status (the served app,
     ``orchestrator:app``); otherwise it raises (an app embedded in a test or a tool)."""
+    refuse_permessage_deflate()  # client bytes are limited as sent, never inflated (ws_compression.py)
     app = Quart("personaplex")
     app.asgi_app = DrainAfterClose(app.asgi_app)  # no connection task left waiting on a closed socket
     holder: dict[str, Services] = {}
@@ -162,7 +166,7 @@ def _gate(svc: Services) -> Caller | Response:
     client = websocket.scope.get("client")
     if not svc.access.origin_allowed(headers, str(client[0]) if client else None):
         svc.metrics.inc("connections_refused", "origin")
-        return _http_error(403, "origin_not_allowed", f"origin {headers.get('Origin')!r} is not allowed here "
+        return _http_error(403, "origin_not_allowed", f"origin {shown(headers.get('Origin'))} is not allowed here "
                            "(PERSONAPLEX_ALLOWED_ORIGINS)")
     caller = svc.access.authenticate(headers, websocket.args, websocket.requested_subprotocols)
     if caller is None:

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from engines.config import FRAME_SAMPLES, SAMPLE_RATE
+from engines.interface import shown
 
 from ..lockstep.scheduler import FrameFailure, FrameResult, TickScheduler
 from ..metrics import Metrics
@@ -32,6 +33,7 @@ from ..settings import Settings
 log = logging.getLogger(__name__)
 
 FRAME_MS = FRAME_SAMPLES * 1000 // SAMPLE_RATE
+MAX_CLIENT_REASON_CHARS = 200  # of a session.close reason, echoed in session.closed
 _F32_FRAME_BYTES = FRAME_SAMPLES * 4
 _REFUSED_RESPONSE_OPTIONS = ("instructions", "voice", "temperature", "max_output_tokens",
                              "max_response_output_tokens", "max_tokens", "tools")
@@ -149,6 +151,10 @@ class Session:
         self.epoch = 0
         self.outbox = Outbox(settings.max_output_buffer_bytes)
         self.stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()  # result: close reason
+        # The reason a client gave in session.close: echoed back in session.closed's "event"
+        # only.  The server's own reason (close code, log, metrics) is "client_close": a
+        # client must not write the server's record.
+        self.client_reason: str | None = None
         self._scheduler = scheduler
         self._settings = settings
         self._metrics = metrics
@@ -214,7 +220,9 @@ class Session:
                 self._append(event)
             elif kind in CLOSE_EVENTS:
                 reason = event.get("reason")
-                return reason if isinstance(reason, str) and reason else "client_close"
+                if isinstance(reason, str) and reason:
+                    self.client_reason = reason[:MAX_CLIENT_REASON_CHARS]
+                return "client_close"
             elif kind == "session.update":
                 self._update(event)
             elif kind in ("response.cancel", "output_audio_buffer.clear", "input.cancel"):
@@ -252,7 +260,7 @@ class Session:
             elif kind in ("conversation.item.retrieve", "conversation.item.delete", "conversation.item.truncate"):
                 if not isinstance(event.get("item_id"), str):
                     raise ProtocolError("missing_item_id", f"{kind} needs item_id", param="item_id")
-                raise ProtocolError("item_not_found", f"item {event['item_id']!r} not found", param="item_id")
+                raise ProtocolError("item_not_found", f"item {shown(event['item_id'])} not found", param="item_id")
             else:
                 raise ProtocolError("unknown_event", f"Unknown duplex event type: {kind[:100]}", param="type")
         except ProtocolError as exc:
@@ -311,7 +319,7 @@ class Session:
         response_id = event.get("response_id")
         active = self._response
         if response_id is not None and (active is None or response_id != active.id):
-            raise ProtocolError("response_not_active", f"response {response_id!r} is not active", param="response_id")
+            raise ProtocolError("response_not_active", f"response {shown(response_id)} is not active", param="response_id")
         if clear:
             self.emit({"type": "output_audio_buffer.cleared", "response_id": active.id if active else None})
         if active is not None:

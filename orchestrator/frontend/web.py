@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from quart import Quart, Response, jsonify, send_from_directory
+from quart import Quart, Response, abort, jsonify, send_from_directory
 
 from engines.config import DEFAULT_PERSONA, DEFAULT_VOICE
 
@@ -18,6 +18,7 @@ from ..protocol.errors import ProtocolError
 from .services import Services
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+SERVED_FILES = frozenset(path.relative_to(STATIC_DIR).as_posix() for path in STATIC_DIR.rglob("*") if path.is_file())
 
 # Persona presets offered by the page (free text is always possible).  The default persona
 # is the model's own (what an empty ``instructions`` gets); the others are the reference
@@ -38,7 +39,10 @@ def register_web(app: Quart, services: Callable[[], Services]) -> None:
         return await static_file("index.html")
 
     async def static_file(filename: str) -> Response:
-        # send_from_directory refuses paths that leave STATIC_DIR (404).
+        # Only the files shipped are served: a client's name never reaches the file system
+        # (a name too long for it was a 500; one leaving STATIC_DIR, a 404 anyway).
+        if filename not in SERVED_FILES:
+            abort(404)
         response = await send_from_directory(STATIC_DIR, filename)
         # The page is tiny and changes with the server version: never serve a stale one.
         response.headers["Cache-Control"] = "no-cache"

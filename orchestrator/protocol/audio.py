@@ -15,6 +15,7 @@ import numpy as np
 import soxr
 
 from engines.config import FRAME_SAMPLES, SAMPLE_RATE
+from engines.interface import shown
 
 MIN_RATE = 8000
 MAX_RATE = 192000
@@ -51,7 +52,7 @@ def check_rate(rate: object) -> int:
     """A sample rate must be an integer in [8000, 192000] (the reference's bounds)."""
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not MIN_RATE <= rate <= MAX_RATE \
             or rate != int(rate):  # the range test first: int() of NaN or infinity raises
-        raise AudioError("bad_event", f"sample_rate_hz must be an integer in [{MIN_RATE}, {MAX_RATE}], got {rate!r}")
+        raise AudioError("bad_event", f"sample_rate_hz must be an integer in [{MIN_RATE}, {MAX_RATE}], got {shown(rate)}")
     return int(rate)
 
 

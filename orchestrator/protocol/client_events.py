@@ -14,13 +14,22 @@ from .audio import INPUT_CODECS, AudioError, canonical_codec, check_rate
 from .errors import ProtocolError
 
 CLOSE_EVENTS = frozenset({"session.close", "close", "close_session"})
+# Values (array items and object members) in one event.  Parsing is on the event loop every
+# session of the worker shares, and its cost is in the values, not the bytes: 15 MiB of
+# ``[],[],...`` (5 M values) took 1.4 s and ~800 MiB to parse, 15 MiB of base64 audio ~10 ms.
+# Every value but the first of a container follows a comma, so counting commas (~6 ms for
+# 15 MiB, done only for events longer than the limit) bounds the values before parsing.  A
+# real event has tens; a persona's commas count too, and it holds at most a few thousand.
+MAX_EVENT_VALUES = 16384
+MAX_EVENT_ID_CHARS = 256  # of a client's event_id, as echoed in errors
 
 
 def decode_event(message: str | bytes | None, max_bytes: int) -> dict[str, Any]:
     """One websocket message -> one event object, or ``ProtocolError``.
 
     Codes: ``bad_event`` (binary frame, non-object JSON, missing ``type``),
-    ``event_too_large``, ``invalid_json`` (also NaN, Infinity, out-of-range numbers, nesting
+    ``event_too_large``, ``event_too_complex`` (more than ``MAX_EVENT_VALUES`` values),
+    ``invalid_json`` (also NaN, Infinity, out-of-range numbers, nesting
     deeper than 1024, integers beyond 64 bits and lone surrogates: ``json_codec``).
     """
     if not isinstance(message, str):
@@ -28,6 +37,9 @@ def decode_event(message: str | bytes | None, max_bytes: int) -> dict[str, Any]:
     size = len(message)
     if size > max_bytes or (size * 4 > max_bytes and len(message.encode("utf-8", "surrogatepass")) > max_bytes):
         raise ProtocolError("event_too_large", f"event exceeds the limit of {max_bytes} bytes")
+    if size > MAX_EVENT_VALUES and message.count(",") >= MAX_EVENT_VALUES:
+        raise ProtocolError("event_too_complex", f"an event may hold at most {MAX_EVENT_VALUES} JSON values "
+                            "(array items and object members; commas inside strings count too)")
     try:
         event = json_codec.loads(message)
     except json_codec.InvalidJSON as exc:
@@ -40,9 +52,9 @@ def decode_event(message: str | bytes | None, max_bytes: int) -> dict[str, Any]:
 
 
 def client_event_id(event: Mapping[str, Any]) -> str | None:
-    """The client's ``event_id``, echoed in errors (only if it is a string)."""
+    """The client's ``event_id``, echoed in errors (only if it is a string; a long one cut)."""
     value = event.get("event_id")
-    return value if isinstance(value, str) else None
+    return value[:MAX_EVENT_ID_CHARS] if isinstance(value, str) else None
 
 
 @dataclass(frozen=True)

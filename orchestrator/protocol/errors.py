@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+MAX_MESSAGE_CHARS = 1000  # an error's message: client values in it are cut (engines.interface.shown)
+
 RATE_LIMIT_CODES = frozenset({"resource_exhausted", "input_backpressure", "output_backpressure",
                               "session_limit_exceeded", "open_rate_limited", "event_rate_exceeded"})
 SERVER_ERROR_CODES = frozenset({
@@ -37,6 +39,8 @@ class ProtocolError(Exception):
     """
 
     def __init__(self, code: str, message: str, *, param: str | None = None, **extra: Any) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + "..."
         super().__init__(message)
         self.code = code
         self.message = message

@@ -10,7 +10,8 @@ import math
 from collections.abc import Mapping
 
 from engines.config import DEFAULT_VOICE
-from engines.interface import InvalidSessionSpec, SamplingParams, SessionSpec, check_voice_name
+from engines.interface import (MAX_TEMPERATURE, MAX_TOP_K, InvalidSessionSpec, SamplingParams, SessionSpec,
+                               check_voice_name)
 
 from .errors import ProtocolError
 
@@ -91,8 +92,9 @@ def _number(args: Mapping[str, str], name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise ProtocolError("bad_query", f"{name} must be a finite number >= 0, got {text[:50]!r}", param=name)
+    if not 0 <= value <= MAX_TEMPERATURE:  # also refuses NaN and the infinities
+        raise ProtocolError("bad_query", f"{name} must be a number in [0, {MAX_TEMPERATURE:g}], got {text[:50]!r}",
+                            param=name)
     return value
 
 
@@ -108,6 +110,7 @@ def _integer(args: Mapping[str, str], name: str, default: int) -> int:
 
 def _count(args: Mapping[str, str], name: str, default: int) -> int:
     value = _integer(args, name, default)
-    if value < 1:
-        raise ProtocolError("bad_query", f"{name} must be >= 1, got {value}", param=name)
+    if not 1 <= value <= MAX_TOP_K:
+        raise ProtocolError("bad_query", f"{name} must be an integer in [1, {MAX_TOP_K}], got {str(value)[:50]}",
+                            param=name)
     return value

@@ -12,12 +12,11 @@ reference's codes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from engines.config import DEFAULT_PERSONA, DEFAULT_VOICE, SAMPLE_RATE
-from engines.interface import SamplingParams, SessionSpec
+from engines.interface import MAX_TEMPERATURE, SamplingParams, SessionSpec, is_text, shown
 
 from .audio import INPUT_CODECS, OUTPUT_CODECS, AudioError, canonical_codec, check_rate
 from .errors import ProtocolError
@@ -35,6 +34,9 @@ DEFAULT_MODALITIES = ("text", "audio")
 # The session object is echoed back in every session.updated: deeper nesting than any real
 # client sends is refused here, so our own encoder can never hit its recursion limit.
 MAX_SESSION_DEPTH = 32
+# A client may keep an idle session open this long at most: a silent socket holds a slot
+# (the server default, PERSONAPLEX_IDLE_TIMEOUT_S, is 300 s).
+MAX_IDLE_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,9 @@ def parse_session_update(
         instructions = payload["instructions"] if payload["instructions"] is not None else ""
         if not isinstance(instructions, str):
             raise ProtocolError("bad_event", "instructions must be a string", param="instructions")
+        if not is_text(instructions):
+            raise ProtocolError("bad_event", "instructions must be valid Unicode text: it holds a lone surrogate "
+                                "(\\ud800-\\udfff without its pair)", param="instructions")
         if max_instructions_chars is not None and len(instructions) > max_instructions_chars:
             raise ProtocolError("instructions_too_long", f"instructions (the persona) may have at most "
                                 f"{max_instructions_chars} characters, got {len(instructions)}", param="instructions")
@@ -158,8 +163,9 @@ def parse_session_update(
     if payload.get("temperature") is not None:
         temperature = payload["temperature"]
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or not math.isfinite(temperature) or temperature < 0:
-            raise ProtocolError("bad_event", "temperature must be a finite number >= 0", param="temperature")
+                or not 0 <= temperature <= MAX_TEMPERATURE:
+            raise ProtocolError("bad_event", f"temperature must be a number in [0, {MAX_TEMPERATURE:g}]",
+                                param="temperature")
         changes["temperature"] = float(temperature)
     if is_open and (changes.get("temperature", current.temperature) != current.temperature
                     or changes.get("seed", current.seed) != current.seed):
@@ -168,8 +174,9 @@ def parse_session_update(
 
     if payload.get("idle_timeout_s") is not None:
         idle = payload["idle_timeout_s"]
-        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not math.isfinite(idle) or idle <= 0:
-            raise ProtocolError("bad_event", "idle_timeout_s must be a number > 0", param="idle_timeout_s")
+        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not 0 < idle <= MAX_IDLE_TIMEOUT_S:
+            raise ProtocolError("bad_event", f"idle_timeout_s must be a number in (0, {MAX_IDLE_TIMEOUT_S:g}]",
+                                param="idle_timeout_s")
         changes["idle_timeout_s"] = float(idle)
 
     for name in ("modalities", "output_modalities"):
@@ -220,7 +227,7 @@ def _check_voice(voice: Any) -> str:
     if not isinstance(voice, str) or "/" in voice or "\\" in voice or voice.startswith(".") \
             or not voice.endswith(".pt") or len(voice) <= 3:
         raise ProtocolError("invalid_voice", f"voice must be the file name of a voice prompt (e.g. {DEFAULT_VOICE!r}), "
-                            f"got {voice!r}", param="voice")
+                            f"got {shown(voice)}", param="voice")
     return voice
 
 
@@ -242,10 +249,10 @@ def _format_object(fmt: Any, param: str) -> tuple[Any, int | None]:
 
 def _input_format(payload: Mapping[str, Any], audio_in: Mapping[str, Any]) -> tuple[str | None, int | None]:
     name, rate = None, None
+    if audio_in.get("format") is not None:  # its rate counts even beside a legacy format name
+        name, rate = _format_object(audio_in["format"], "session.audio.input.format")
     if payload.get("input_audio_format") is not None:
         name = payload["input_audio_format"]
-    elif audio_in.get("format") is not None:
-        name, rate = _format_object(audio_in["format"], "session.audio.input.format")
     codec = None
     if name is not None:
         codec = canonical_codec(name)
@@ -262,13 +269,12 @@ def _input_format(payload: Mapping[str, Any], audio_in: Mapping[str, Any]) -> tu
 
 def _check_output_format(payload: Mapping[str, Any], audio_out: Mapping[str, Any]) -> None:
     name, rate = None, None
+    if audio_out.get("format") is not None:  # its rate counts even beside a legacy format name
+        name, rate = _format_object(audio_out["format"], "session.audio.output.format")
     for key in ("output_audio_format", "response_format"):
         if payload.get(key) is not None:
             name = payload[key]
             break
-    else:
-        if audio_out.get("format") is not None:
-            name, rate = _format_object(audio_out["format"], "session.audio.output.format")
     if name is not None and canonical_codec(name) not in OUTPUT_CODECS:
         raise ProtocolError("unsupported_audio_format", f"Unsupported output_audio_format: {name} "
                             "(this server sends pcm16)", param="output_audio_format")
