@@ -17,6 +17,7 @@ import zlib
 
 import numpy as np
 import pytest
+from websockets.exceptions import InvalidStatus
 
 from engines.interface import MAX_TEMPERATURE
 from orchestrator.protocol.client_events import MAX_EVENT_ID_CHARS, MAX_EVENT_VALUES
@@ -256,6 +257,27 @@ def test_lone_surrogates_in_a_persona_are_a_typed_error(server: Server):
         parse_session_update({"instructions": "\ud800 hello \udfff"}, SessionConfig(model="m"), is_open=False,
                              input_rate_locked=False)
     assert (refused.value.code, refused.value.param) == ("bad_event", "instructions")
+
+
+def test_a_rebound_host_name_gets_no_websocket_on_a_keyless_loopback_server(server: Server):
+    """DNS rebinding: a page on another host name that resolves to 127.0.0.1 sends an Origin
+    equal to its Host; on a server that takes no keys because it listens on loopback, only a
+    loopback Host serves a browser."""
+    port = int(server.http.rsplit(":", 1)[1])
+
+    async def connect(name: str) -> Client:
+        """Connect to the server as a browser would to ``name`` resolved to 127.0.0.1."""
+        return await Client.connect(f"ws://{name}:{port}/v1/realtime?duplex=1", host="127.0.0.1", port=port,
+                                    additional_headers={"Origin": f"http://{name}:{port}"})
+
+    async def scenario():
+        with pytest.raises(InvalidStatus) as refused:
+            await connect("rebind.example")
+        assert refused.value.response.status_code == 403
+        for name in ("127.0.0.1", "localhost"):
+            await works(await connect(name))
+
+    run(scenario())
 
 
 def test_error_replies_and_logs_quote_client_values_briefly(server: Server):

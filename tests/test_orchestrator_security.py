@@ -285,6 +285,15 @@ def test_access_policy_keys_origins_and_proxies():
         _policy()  # nothing known about the address: treated as public
     assert not _policy(bind=("0.0.0.0:8000",), auth="off").require_key
     assert not _policy(bind=("127.0.0.1:8000", "unix:/tmp/x.sock")).require_key
+    # Keyless because loopback: browsers only under a loopback Host (DNS rebinding).
+    local = _policy(bind=("127.0.0.1:8000",))
+    for host in ("127.0.0.1:8000", "localhost:8000", "[::1]:8000", "localhost"):
+        assert local.origin_allowed({"Origin": f"http://{host}", "Host": host}), host
+    assert not local.origin_allowed({"Origin": "http://rebind.example:8000", "Host": "rebind.example:8000"})
+    assert local.origin_allowed({"Host": "rebind.example:8000"})  # not a browser: nothing to rebind
+    listed = _policy(bind=("127.0.0.1:8000",), allowed_origins=("http://app.example",))
+    assert listed.origin_allowed({"Origin": "http://app.example", "Host": "app.example"})
+    assert not _policy(bind=("127.0.0.1:8000",), auth="off").loopback_hosts_only
     policy = _policy(bind=("[::]:8000",), api_keys=("k1",), allowed_origins=("https://a.example/",),
                      trusted_proxies=("10.0.0.0/8",))
     assert policy.require_key and policy.public

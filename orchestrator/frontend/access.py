@@ -73,6 +73,11 @@ class AccessPolicy:
         self._origins = {_origin(o) for o in settings.allowed_origins if o.strip()}
         self._any_origin = "*" in {o.strip() for o in settings.allowed_origins}
         self._proxies = [_network(p) for p in settings.trusted_proxies if p.strip()]
+        # DNS rebinding: a page on an attacker's host name that resolves to 127.0.0.1 sends
+        # an Origin equal to its Host, which passes the same-origin check.  A server that
+        # takes no keys only because it listens on loopback therefore serves browsers only
+        # under a loopback Host (or an Origin listed explicitly).
+        self.loopback_hosts_only = settings.auth == "auto" and not self.require_key and not self.public
         where = ", ".join(self.addresses) or "unknown addresses"
         if self.require_key:
             log.info("listening on %s (%s): API keys required (%d configured)", where,
@@ -92,6 +97,8 @@ class AccessPolicy:
         normalized = _origin(origin)
         if normalized in self._origins:
             return True
+        if self.loopback_hosts_only and not is_loopback(_host_name(headers.get("Host", ""))):
+            return False
         hosts = [headers.get("Host", "")]
         if peer is not None and self._trusted(peer):
             hosts += _joined(headers, "X-Forwarded-Host").split(",")
@@ -180,6 +187,14 @@ def _choose_subprotocol(subprotocols: Sequence[str]) -> str | None:
         return PREFERRED_SUBPROTOCOL
     plain = [p for p in subprotocols if not p.startswith(KEY_SUBPROTOCOL)]
     return plain[0] if plain else subprotocols[0]
+
+
+def _host_name(host: str) -> str:
+    """The name or address of a ``Host`` header value, without its port."""
+    host = host.strip()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _origin(value: str) -> str:
