@@ -8,6 +8,8 @@ import base64
 import functools
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -336,3 +338,83 @@ async def works(client: Client) -> None:
     await client.wait_audio_frames(2)
     await client.send({"type": "session.close"})
     await client.wait_closed()
+
+
+class StreamingWitness:
+    """A session streaming real speech at real time (one frame every 80 ms) from its own task,
+    recording when each audio delta arrives: while something else is done to the server, its
+    audio must keep coming.  ``max_gap_s``: checked on leaving (None: only recorded)."""
+
+    def __init__(self, server: Server, max_gap_s: float | None = None) -> None:
+        self.server = server
+        self.max_gap_s = max_gap_s
+        self.arrivals: list[float] = []
+        self._tasks: list[asyncio.Task] = []
+
+    def longest_gap_s(self, since: float = 0.0) -> float:
+        """The longest pause between audio deltas that arrived after ``since`` (monotonic)."""
+        times = [t for t in self.arrivals if t >= since]
+        return float(np.diff(times).max()) if len(times) > 1 else float("nan")
+
+    async def __aenter__(self) -> "StreamingWitness":
+        self.client = await Client.connect(self.server.ws + "/v1/realtime?duplex=1")
+        await self.client.open()
+        messages = [json.dumps(f32_append(frame)) for frame in speech_frames(50)]
+        self._tasks = [asyncio.create_task(self._pace(messages)), asyncio.create_task(self._read())]
+        deadline = time.monotonic() + 30
+        while len(self.arrivals) < 5:
+            assert time.monotonic() < deadline, "the witness got no audio"
+            await asyncio.sleep(0.05)
+        return self
+
+    async def _pace(self, messages: list[str]) -> None:
+        start = time.monotonic()
+        for k in range(10**9):
+            await self.client.ws.send(messages[k % len(messages)])
+            await asyncio.sleep(max(0.0, start + (k + 1) * 0.08 - time.monotonic()))
+
+    async def _read(self) -> None:
+        async for message in self.client.ws:
+            if json.loads(message)["type"] == "response.output_audio.delta":
+                self.arrivals.append(time.monotonic())
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.sleep(1.0)  # the attack's after-effects show here too
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.client.ws.close()
+        if exc_info[0] is None and self.max_gap_s is not None:
+            gap = self.longest_gap_s()
+            assert gap < self.max_gap_s, f"the witness's audio paused for {gap:.2f} s"
+
+
+def send_deflated_frame(server: Server, payload: bytes) -> int | None:
+    """Open a websocket by hand, offering permessage-deflate (the server must decline), send
+    one text frame with RSV1 set (compressed); the close code the server answers with (None:
+    the connection ended without a close frame)."""
+    host, port = server.http.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        key = base64.b64encode(os.urandom(16)).decode()
+        sock.sendall((f"GET /v1/realtime?duplex=1 HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                      "Sec-WebSocket-Extensions: permessage-deflate\r\n\r\n").encode())
+        response = b""
+        while b"\r\n\r\n" not in response:
+            response += sock.recv(4096)
+        head = response.split(b"\r\n\r\n", 1)[0].lower()
+        assert head.startswith(b"http/1.1 101") and b"sec-websocket-extensions" not in head, head
+        mask = os.urandom(4)
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        sock.sendall(bytes([0xC1, 0x80 | 127]) + struct.pack(">Q", len(payload)) + mask + masked)  # FIN+RSV1, text
+        data = response.split(b"\r\n\r\n", 1)[1]
+        try:
+            while True:
+                if len(data) >= 2 and data[0] == 0x88:  # the close frame
+                    return struct.unpack(">H", data[2:4])[0] if len(data) >= 4 else None
+                chunk = sock.recv(4096)
+                if not chunk:
+                    return None
+                data += chunk
+        except OSError:
+            return None

@@ -7,15 +7,9 @@ keep coming."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
-import os
-import socket
-import struct
 import time
 import zlib
 
-import numpy as np
 import pytest
 from websockets.exceptions import InvalidStatus
 
@@ -24,12 +18,18 @@ from orchestrator.protocol.client_events import MAX_EVENT_ID_CHARS, MAX_EVENT_VA
 from orchestrator.protocol.errors import MAX_MESSAGE_CHARS, ProtocolError
 from orchestrator.protocol.session_config import SessionConfig, parse_session_update
 from tests.native_support import NativeClient, chat_url
-from tests.orch_support import Client, Server, f32_append, run, speech_frames, works
+from tests.orch_support import (Client, Server, StreamingWitness, f32_append, run, send_deflated_frame, speech_frames,
+                                 works)
 
 SESSIONS = 3
 # The longest the witness's audio may pause.  On the 2-core CI machine a tick of the tiny model
 # with a few sessions takes a few ms; the attacks of issue 18 paused it for 2.3-4 s.
 WITNESS_MAX_GAP_S = 1.0
+
+
+def witness(server: Server) -> StreamingWitness:
+    """A witness held to WITNESS_MAX_GAP_S."""
+    return StreamingWitness(server, max_gap_s=WITNESS_MAX_GAP_S)
 
 
 @pytest.fixture(scope="module")
@@ -38,48 +38,6 @@ def server():
     yield server
     server.stop()
     server.assert_clean_log()
-
-
-class Witness:
-    """A session streaming real speech at real time (one frame every 80 ms) from its own task,
-    recording when each audio delta arrives."""
-
-    def __init__(self, server: Server) -> None:
-        self.server = server
-        self.arrivals: list[float] = []
-        self._tasks: list[asyncio.Task] = []
-
-    async def __aenter__(self) -> "Witness":
-        self.client = await Client.connect(self.server.ws + "/v1/realtime?duplex=1")
-        await self.client.open()
-        messages = [json.dumps(f32_append(frame)) for frame in speech_frames(50)]
-        self._tasks = [asyncio.create_task(self._pace(messages)), asyncio.create_task(self._read())]
-        deadline = time.monotonic() + 30
-        while len(self.arrivals) < 5:
-            assert time.monotonic() < deadline, "the witness got no audio"
-            await asyncio.sleep(0.05)
-        return self
-
-    async def _pace(self, messages: list[str]) -> None:
-        start = time.monotonic()
-        for k in range(10**9):
-            await self.client.ws.send(messages[k % len(messages)])
-            await asyncio.sleep(max(0.0, start + (k + 1) * 0.08 - time.monotonic()))
-
-    async def _read(self) -> None:
-        async for message in self.client.ws:
-            if json.loads(message)["type"] == "response.output_audio.delta":
-                self.arrivals.append(time.monotonic())
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await asyncio.sleep(1.0)  # the attack's after-effects show here too
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.client.ws.close()
-        if exc_info[0] is None:
-            gaps = np.diff(self.arrivals)
-            assert gaps.max() < WITNESS_MAX_GAP_S, f"the witness's audio paused for {gaps.max():.2f} s"
 
 
 async def refused_open(server: Server, session: dict) -> dict:
@@ -130,7 +88,7 @@ def test_one_event_of_millions_of_values_is_refused_before_it_is_parsed(server: 
     fine = '{"type":"session.heartbeat","pad":[' + ",".join(["1"] * (MAX_EVENT_VALUES - 10)) + "]}"
 
     async def scenario():
-        async with Witness(server):
+        async with witness(server):
             # Two sockets whose first message is the heavy one (refused; as with an oversize
             # event the socket may still send its session.update) ...
             for _ in range(2):
@@ -164,7 +122,7 @@ def test_compression_is_declined_and_a_compressed_frame_is_never_inflated(server
     server.wait_free_slots(SESSIONS)
 
     async def scenario():
-        async with Witness(server):
+        async with witness(server):
             client = await Client.connect(server.ws + "/v1/realtime?duplex=1", compression="deflate")
             assert client.ws.response.headers.get("Sec-WebSocket-Extensions") is None
             await works(client)
@@ -173,41 +131,10 @@ def test_compression_is_declined_and_a_compressed_frame_is_never_inflated(server
             assert len(payload) < 64 * 1024
             for _ in range(3):
                 started = time.monotonic()
-                code = await asyncio.get_running_loop().run_in_executor(None, send_compressed_frame, server, payload)
+                code = await asyncio.get_running_loop().run_in_executor(None, send_deflated_frame, server, payload)
                 assert code in (None, 1002) and time.monotonic() - started < 5  # closed (with or without 1002)
 
     run(scenario())
-
-
-def send_compressed_frame(server: Server, payload: bytes) -> int | None:
-    """Open a websocket by hand, offering permessage-deflate (the server must decline), send
-    one text frame with RSV1 set (compressed); the close code the server answers with (None:
-    the connection ended without a close frame)."""
-    host, port = server.http.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=20) as sock:
-        key = base64.b64encode(os.urandom(16)).decode()
-        sock.sendall((f"GET /v1/realtime?duplex=1 HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
-                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
-                      "Sec-WebSocket-Extensions: permessage-deflate\r\n\r\n").encode())
-        response = b""
-        while b"\r\n\r\n" not in response:
-            response += sock.recv(4096)
-        head = response.split(b"\r\n\r\n", 1)[0].lower()
-        assert head.startswith(b"http/1.1 101") and b"sec-websocket-extensions" not in head, head
-        mask = os.urandom(4)
-        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-        sock.sendall(bytes([0xC1, 0x80 | 127]) + struct.pack(">Q", len(payload)) + mask + masked)  # FIN+RSV1, text
-        data = response.split(b"\r\n\r\n", 1)[1]
-        try:
-            while True:
-                if len(data) >= 2 and data[0] == 0x88:  # the close frame
-                    return struct.unpack(">H", data[2:4])[0] if len(data) >= 4 else None
-                chunk = sock.recv(4096)
-                if not chunk:
-                    return None
-                data += chunk
-        except OSError:
-            return None
 
 
 def test_a_client_close_reason_does_not_write_the_server_record(server: Server):
