@@ -14,7 +14,8 @@
   ``hang`` (the step sleeps ``seconds`` before running: a stuck tick for the watchdog),
   ``restart`` (the victim's next context restart fails: its session cannot go on),
   ``slow_open`` (opening the slot, prompt included, takes ``seconds`` longer: a prompt that
-  is slow to run);
+  is slow to run), ``leak_open`` (the open fails after the engine took the slot, which it
+  keeps: the engine lost a slot, as a failed install once did);
 - ``after``: fire on the victim slot's N-th step since it was opened (default 5), then every
   ``after`` steps, ``times`` times in all (default 1; 0 = no limit).
 
@@ -35,7 +36,7 @@ from engines.interface import Engine, EngineError, FrameOutput, SessionSpec, Slo
 
 log = logging.getLogger(__name__)
 
-MODES = ("slot", "slot_early", "batch", "hang", "restart", "slow_open")
+MODES = ("slot", "slot_early", "batch", "hang", "restart", "slow_open", "leak_open")
 
 
 class FaultPlanError(ValueError):
@@ -115,6 +116,9 @@ class FaultyEngine:
     def open_slot(self, spec: SessionSpec) -> int:
         slot = self.inner.open_slot(spec)
         plan = next((p for p in self.plans if p.persona in spec.persona), None)
+        if plan is not None and plan.mode == "leak_open":
+            self._fired(plan, slot)
+            raise EngineError(f"injected fault: the open failed and slot {slot} was lost")
         if plan is not None and plan.mode == "slow_open":
             self._fired(plan, slot)
             time.sleep(plan.seconds)

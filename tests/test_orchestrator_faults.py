@@ -178,3 +178,34 @@ def test_fault_plans_are_checked():
                 "persona=x,mode=slot,after=soon", "persona"):
         with pytest.raises(FaultPlanError):
             FaultPlan.parse_all(bad)
+
+
+def test_a_slot_the_engine_lost_is_not_counted_free():
+    """An engine that lost a slot (an open failed after taking it, injected): /ready and
+    admission count the engine's own slots, so the lost one is never offered; the others
+    serve."""
+    server = Server(max_sessions=2, silence_grace_s=0, fault_injection="persona=FAULT-LEAK,mode=leak_open,after=1")
+    try:
+        async def scenario():
+            client = await Client.connect(server.ws + "/v1/realtime?duplex=1")
+            await client.send({"type": "session.update", "session": {"instructions": "FAULT-LEAK"}})
+            error = await client.next("error")
+            assert error["error"]["code"] == "engine_error" and "injected" in error["error"]["message"]
+            await client.wait_closed()
+            _, ready = server.get("/ready")
+            assert ready["free_slots"] == 1 and ready["live_sessions"] == 1, ready
+            serving = await open_session(server, BYSTANDER)
+            refused = await Client.connect(server.ws + "/v1/realtime?duplex=1")
+            await refused.send({"type": "session.update", "session": {"instructions": BYSTANDER}})
+            assert (await refused.next("error"))["error"]["code"] == "resource_exhausted"
+            await stream([serving], speech_frames(2))
+            await serving.wait_audio_frames(2)
+            await serving.send({"type": "session.close"})
+            await serving.wait_closed()
+            _, ready = server.get("/ready")
+            assert ready["free_slots"] == 1, ready
+
+        run(scenario())
+    finally:
+        server.stop()
+    assert "Traceback" not in server.logs()

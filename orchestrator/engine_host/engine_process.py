@@ -170,7 +170,7 @@ class EngineProcess:
             if self._owner.get(key) == worker.identity:
                 self._close(key)
             else:  # never admitted (refused, or already gone): nothing to free
-                self._send(worker.identity, [wire.CLOSED, wire.header({"key": key, "held": len(self._owner)})])
+                self._send(worker.identity, [wire.CLOSED, wire.header({"key": key, "held": self._held()})])
         elif kind == wire.RESTART:
             key, epoch = wire.read_header(parts[1])
             if self._owner.get(key) == worker.identity:
@@ -182,17 +182,22 @@ class EngineProcess:
         else:
             raise wire.WireError(f"unknown message kind {kind!r}")
 
+    def _held(self) -> int:
+        """Slots held: the sessions admitted, or the slots the engine itself holds if more
+        (one it could not give back must not be counted free)."""
+        return max(len(self._owner), self.scheduler.slots_taken)
+
     def _open(self, worker: _Worker, key: str, spec: Any) -> None:
         refusal = None
         if self.scheduler.load_error is not None:
             refusal = ("engine_unavailable", f"the model failed to load: {self.scheduler.load_error}")
         elif key in self._owner:
             refusal = ("bad_event", f"session {key} is already open")
-        elif len(self._owner) >= self.max_sessions:
+        elif self._held() >= self.max_sessions:
             refusal = ("resource_exhausted", f"duplex_session_capacity_exhausted: limit={self.max_sessions}")
         if refusal is not None:
             code, message = refusal
-            self._send(worker.identity, [wire.OPENED, wire.header({"key": key, "held": len(self._owner),
+            self._send(worker.identity, [wire.OPENED, wire.header({"key": key, "held": self._held(),
                                                                    "error": {"code": code, "message": message}})])
             return
         self._owner[key] = worker.identity  # admitted: held until the engine has released the slot
@@ -244,7 +249,7 @@ class EngineProcess:
             self._release(key)
             reply = {"key": key, "error": {"code": getattr(error, "code", "engine_error"),
                                            "message": str(error) or type(error).__name__}}
-        reply["held"] = len(self._owner)  # the worker's view of the admission, exact at once
+        reply["held"] = self._held()  # the worker's view of the admission, exact at once
         self._send(identity, [wire.OPENED, wire.header(reply)])
 
     def _closed(self, key: str, future: concurrent.futures.Future) -> None:
@@ -255,7 +260,7 @@ class EngineProcess:
                       key, error)
         identity = self._owner.get(key) if error is not None else self._release(key)
         if identity is not None and identity in self._workers:
-            reply: dict[str, Any] = {"key": key, "held": len(self._owner)}
+            reply: dict[str, Any] = {"key": key, "held": self._held()}
             if error is not None:
                 reply["error"] = str(error)
             self._send(identity, [wire.CLOSED, wire.header(reply)])
@@ -311,7 +316,7 @@ class EngineProcess:
             "load_error": None if scheduler.load_error is None else str(scheduler.load_error),
             "info": wire.info_to_wire(scheduler.info), "voices": list(scheduler.voices),
             "busy": None if busy is None else [busy.kind, busy.since, busy.sessions],
-            "failed_ticks_in_row": scheduler.failed_ticks_in_row, "held": len(self._owner),
+            "failed_ticks_in_row": scheduler.failed_ticks_in_row, "held": self._held(),
             "max_sessions": self.max_sessions, "loading": scheduler.loading_status(),
             # Sessions held per front-end worker (by pid): which worker serves how many.
             "workers": {str(w.pid): len(w.keys) for w in self._workers.values() if w.pid},

@@ -179,6 +179,10 @@ class TickScheduler:
         self.info: EngineInfo | None = None
         self.voices: tuple[str, ...] = ()
         self.busy: EngineCall | None = None  # written by the engine thread only
+        # Slots the engine itself holds (its max_slots - free_slots()), written by the engine
+        # thread after every open and close: what admission reports is never below it, so a
+        # slot the engine lost cannot be counted free.
+        self.slots_taken = 0
         self.failed_ticks_in_row = 0  # ticks in a row that produced no output at all
 
     # Lifecycle (event loop side) --------------------------------------------------------------
@@ -512,9 +516,14 @@ class TickScheduler:
                 engine.close_slot(lane.slot)
         except Exception as exc:  # noqa: BLE001
             log.exception("close_slot(%s) failed", lane.slot)
+            self._count_slots(engine)
             _settle(future, error=exc)
         else:
+            self._count_slots(engine)
             _settle(future)
+
+    def _count_slots(self, engine: Engine) -> None:
+        self.slots_taken = engine.info.max_slots - engine.free_slots()
 
     def _job(self, engine: Engine, job: tuple[Any, ...]) -> None:
         kind, key = job[0], job[1]
@@ -523,8 +532,10 @@ class TickScheduler:
             try:
                 slot = engine.open_slot(spec)  # validates and prepares (cached prefill) itself
             except Exception as exc:  # noqa: BLE001 - EngineError subclasses carry the client code
+                self._count_slots(engine)
                 _settle(future, error=exc)
                 return
+            self._count_slots(engine)
             with self._cond:
                 # Installed even if the waiter went away: its close follows and frees the slot.
                 self._lanes[key] = _Lane(key, slot, self._clock())
