@@ -16,7 +16,7 @@ from collections import deque
 
 import numpy as np
 
-from engines.config import FRAME_SAMPLES, SAMPLE_RATE
+from engines.config import FRAME_RATE, FRAME_SAMPLES, SAMPLE_RATE
 
 from ..lockstep.scheduler import FrameFailure, FrameResult, TickScheduler
 from ..metrics import Metrics
@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 PROTOCOL = "native"
 _F32_FRAME_BYTES = FRAME_SAMPLES * 4
-FRAME_S = FRAME_SAMPLES / SAMPLE_RATE  # seconds per frame
 _REPORT_EVERY_S = 1.0  # repeated input errors (backpressure) are reported at most this often
 
 
@@ -50,7 +49,7 @@ class NativeSession:
         self._codec = codec
         self._encoder = OggOpusEncoder()
         # Client audio may run ahead of real time by as much as the Realtime route lets queue.
-        self._decoder = OggOpusDecoder(max_ahead_s=settings.max_pending_input_bytes / _F32_FRAME_BYTES * FRAME_S)
+        self._decoder = OggOpusDecoder(max_ahead_s=settings.max_pending_input_bytes / _F32_FRAME_BYTES / FRAME_RATE)
         self._input = InputStream(SAMPLE_RATE)
         self._max_pending_frames = max(1, settings.max_pending_input_bytes // _F32_FRAME_BYTES)
         # Arrival (monotonic) of each client frame handed to the scheduler and not yet

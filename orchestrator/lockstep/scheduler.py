@@ -511,16 +511,15 @@ class TickScheduler:
                 for job in [job for job in self._jobs if job[0] == "open" and job[1] == key]:
                     self._jobs.remove(job)
                     job[3].cancel()
+        error = None
         try:
             if lane is not None:
                 engine.close_slot(lane.slot)
         except Exception as exc:  # noqa: BLE001
             log.exception("close_slot(%s) failed", lane.slot)
-            self._count_slots(engine)
-            _settle(future, error=exc)
-        else:
-            self._count_slots(engine)
-            _settle(future)
+            error = exc
+        self._count_slots(engine)  # before the waiter hears of it: it reports the count
+        _settle(future, error=error)
 
     def _count_slots(self, engine: Engine) -> None:
         self.slots_taken = engine.info.max_slots - engine.free_slots()
