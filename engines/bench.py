@@ -33,7 +33,7 @@ import torch
 
 from .config import FRAME_SAMPLES, LMConfig, MimiConfig
 from .engine import EngineOptions, PersonaPlexEngine
-from .interface import SamplingParams, SessionSpec
+from .interface import SamplingParams, SessionSpec, to_completion
 from .lm import MoshiLM
 from .mimi import MimiCodec
 from .modules.kv_ring import WindowMode
@@ -171,11 +171,11 @@ def bench_prefill(engine: PersonaPlexEngine, voice: VoicePrompt, persona_tokens:
     """Cold prefill of one (voice, persona): the host-side token plan, then the GPU pass.
 
     ``gpu_ms`` (CUDA events around the embedding, the transformer pass and the export of its
-    keys/values, after the plan; replayed from a prefill graph when the engine has them) is
-    the device time a joining session costs; ``total_ms`` is host wall time of the whole
-    ``build_prefill``.
+    keys/values, after the plan; replayed from a prefill graph when the engine has them and
+    the prompt is one piece) is the device time a joining session costs; ``total_ms`` is host
+    wall time of the whole ``build_prefill``.
     """
-    from .prefill import plan_prompt, run_prefill_pass
+    from .prefill import plan_prompt, prefill_pieces
 
     cfg = engine.cfg
     for _ in range(3):  # the first calls pay allocator, kernel and compile warm-up
@@ -186,9 +186,8 @@ def bench_prefill(engine: PersonaPlexEngine, voice: VoicePrompt, persona_tokens:
         t0 = time.perf_counter()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        with torch.inference_mode():
-            p = run_prefill_pass(engine.lm, engine.kv, voice, plan, engine.options.window, engine.scratch,
-                                 engine.prefill_graphs)
+        p = to_completion(prefill_pieces(engine.lm, voice, plan, engine.options.window, engine.kv.capacity,
+                                         engine.options.prefill_chunk, engine.prefill_graphs))
         end.record()
         end.synchronize()
         total_ms = (time.perf_counter() - t0) * 1e3 + plan_ms
@@ -322,7 +321,7 @@ def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Pat
     persona = list(range(100, 200))  # a 100-token persona
     out = {"slots": slots, "prefill": bench_prefill(engine, voice, persona)}
     log.info("%s: prefill %s", config.name, out["prefill"])
-    base = build_prefill(engine.lm, engine.kv, voice, persona, engine.options.window, engine.scratch)
+    base = build_prefill(engine.lm, voice, persona, engine.options.window, engine.kv.capacity)
     fitting = [b for b in batch_sizes if b <= slots]
     out["ours"] = bench_ours(engine, fitting, args.ticks, args.warmup, full_window_prefill(engine, base), speech)
     out["ours"] += [{"batch": b, "error": f"does not fit: {slots} slots of full windows fit"}

@@ -22,11 +22,11 @@ from . import progress
 from .checkpoint import CheckpointFiles, SafetensorsReader, load_lm_tensors
 from .compiled import compile_dynamic
 from .config import FRAME_SAMPLES, KV_CACHE_MODES
-from .interface import EngineInfo, FrameOutput, NoFreeSlot, SessionSpec
+from .interface import EngineInfo, FrameOutput, NoFreeSlot, Pieces, SessionSpec, to_completion
 from .lm import MoshiLM
 from .mimi import MimiCodec
 from .modules.kv_ring import SlotKVRing, WindowMode
-from .prefill import Prefill, PrefillCache, build_prefill, prompt_frames, voice_replay_frame
+from .prefill import PREFILL_CHUNK, Prefill, PrefillCache, plan_prompt, prefill_pieces, prompt_frames, voice_replay_frame
 from .profiling import StageClock
 from .sampling import STATIC_TOP_K, SamplingBatch, exponential_noise, sample_tokens, stream_salt
 from .token_state import TokenState
@@ -51,6 +51,9 @@ class EngineOptions:
     # LM weight/activation dtype: None = float32 on CPU (the exact path), bfloat16 elsewhere.
     lm_dtype: str | None = None
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160)
+    # Prompt positions per piece of a cold prefill: the scheduler runs live ticks between
+    # pieces, so this bounds how long a joining session can hold them up.
+    prefill_chunk: int = PREFILL_CHUNK
     # Temporal KV cache storage: "auto" = the LM dtype; "fp8" = float8 e4m3 with per-
     # (position, head) scales (engines.modules.kv_ring): half the bytes per decode step.
     kv_cache: str = "auto"
@@ -61,6 +64,8 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.window not in WindowMode.ALL:
             raise ValueError(f"window must be one of {WindowMode.ALL}, got {self.window!r}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
 
@@ -139,7 +144,7 @@ class PersonaPlexEngine:
         self.options = options
         self.device = lm.device
         self.num_slots = num_slots
-        # One extra slot (the last) is scratch space for prefills and voice building.
+        # One extra slot (the last) is scratch space: tick graphs pad with it, voices are built in it.
         self.scratch = num_slots
         self.kv = SlotKVRing(cfg.num_layers, num_slots + 1, cfg.num_heads, cfg.context, cfg.head_dim,
                              device=self.device, dtype=lm.dtype, fp8=options.kv_cache == "fp8")
@@ -169,7 +174,7 @@ class PersonaPlexEngine:
             from .gpu.prefill_graphs import PrefillGraphs
 
             self.graphs = TickGraphs(self, options.graph_buckets)
-            self.prefill_graphs = PrefillGraphs(lm, self.kv, options.window, self.scratch)
+            self.prefill_graphs = PrefillGraphs(lm, options.window, cfg.context, options.prefill_chunk)
         self.info = EngineInfo(
             model=model_name,
             backend="torch",
@@ -218,23 +223,28 @@ class PersonaPlexEngine:
         self.voice_store.check(spec.voice)
 
     def prepare(self, spec: SessionSpec) -> Prefill:
+        return to_completion(self.prepare_in_pieces(spec))
+
+    def prepare_in_pieces(self, spec: SessionSpec) -> Pieces[Prefill]:
+        """The prefill of ``spec`` from the cache, or computed ``options.prefill_chunk``
+        prompt positions per piece (the first piece also validates, tokenizes and plans)."""
+        self.validate(spec)
         persona = tuple(self.tokenizer.persona_tokens(spec.effective_persona))
         key = (spec.voice, persona)
         prefill = self.prefills.get(key)
         if prefill is None:
             voice = self.voice_store.load(spec.voice)
-            with torch.inference_mode():
-                prefill = build_prefill(self.lm, self.kv, voice, persona, self.options.window,
-                                        scratch_slot=self.scratch, graphs=self.prefill_graphs)
+            plan = plan_prompt(self.cfg, voice, persona)
+            prefill = yield from prefill_pieces(self.lm, voice, plan, self.options.window, self.kv.capacity,
+                                                self.options.prefill_chunk, self.prefill_graphs)
             self.prefills.put(key, prefill)
             log.info("prefill for voice %s and a %d-token persona: %d positions",
                      spec.voice, len(persona), prefill.positions)
         return prefill
 
     def open_slot(self, spec: SessionSpec, prefill: Prefill | None = None) -> int:
-        """``prefill`` overrides the computed system prompt (benchmarks fill windows this way)."""
+        """``prefill``: ``prepare``'s result (benchmarks also fill windows this way)."""
         if prefill is None:
-            self.validate(spec)
             prefill = self.prepare(spec)
         if not self._free:
             raise NoFreeSlot(f"all {self.num_slots} session slots are in use")
@@ -248,9 +258,9 @@ class PersonaPlexEngine:
             raise
         return slot
 
-    def restart_slot(self, slot: int) -> None:
+    def restart_slot(self, slot: int, prefill: Prefill | None = None) -> None:
         spec = self._spec(slot)
-        self._install(slot, self.prepare(spec))
+        self._install(slot, prefill if prefill is not None else self.prepare(spec))
 
     def close_slot(self, slot: int) -> None:
         self._spec(slot)
@@ -267,9 +277,12 @@ class PersonaPlexEngine:
             self._free.sort()
 
     def capture_graphs(self) -> None:
-        """Capture the tick graph of every batch bucket now (start-up), not on first use."""
+        """Capture the tick graph of every batch bucket and the prefill graph of every prompt
+        bucket now (start-up), not on first use."""
         if self.graphs is not None:
             self.graphs.capture_all()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture_all()
 
     def free_slots(self) -> int:
         return len(self._free)

@@ -12,7 +12,7 @@ of 1920 samples; format conversion and resampling happen in the orchestrator.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -20,6 +20,28 @@ from .config import DEFAULT_PERSONA, DEFAULT_VOICE, FRAME_SAMPLES, SAMPLE_RATE
 
 if TYPE_CHECKING:  # voices.py needs torch; this module stays importable without it
     from .voices import VoiceStore
+
+T = TypeVar("T")
+
+# Work done a piece per ``next()`` (a prefill: see ``Engine.prepare_in_pieces``); the
+# generator's return value is the result.
+Pieces = Generator[None, None, T]
+
+
+def to_completion(pieces: Pieces[T]) -> T:
+    """Run every piece of ``pieces``; its result."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value
+
+
+def in_one_piece(work: Callable[[], T]) -> Pieces[T]:
+    """``work`` as pieces, for an engine whose preparation cannot be split."""
+    result = work()
+    yield from ()
+    return result
 
 
 class EngineError(Exception):
@@ -180,18 +202,24 @@ class Engine(Protocol):
     def validate(self, spec: SessionSpec) -> None:
         """Cheap checks of a session spec; raises ``InvalidSessionSpec``."""
 
-    def prepare(self, spec: SessionSpec) -> None:
-        """Compute (or find cached) the voice + persona prefill for ``spec``.
+    def prepare(self, spec: SessionSpec) -> Any:
+        """Validate ``spec`` and compute (or find cached) its voice + persona prefill.
 
         May take a while on a cold cache; raises ``InvalidSessionSpec`` or
-        ``PrefillUnavailable``.  ``open_slot`` calls it implicitly.
+        ``PrefillUnavailable``.  ``open_slot`` calls it when not given its result.
         """
 
-    def open_slot(self, spec: SessionSpec) -> int:
-        """Allocate a slot, install the prefill, return the slot id; ``NoFreeSlot`` if full."""
+    def prepare_in_pieces(self, spec: SessionSpec) -> Pieces[Any]:
+        """``prepare`` split into pieces of bounded cost, one per ``next()``, so that the
+        caller can run live ticks between them; returns what ``prepare`` returns."""
 
-    def restart_slot(self, slot: int) -> None:
-        """Start a new epoch in ``slot``: fresh model context with the prefill replayed."""
+    def open_slot(self, spec: SessionSpec, prefill: Any = None) -> int:
+        """Allocate a slot, install the prefill (``prepare``'s result, computed when None),
+        return the slot id; ``NoFreeSlot`` if full."""
+
+    def restart_slot(self, slot: int, prefill: Any = None) -> None:
+        """Start a new epoch in ``slot``: fresh model context with the prefill of its session
+        (``prepare``'s result, computed when None) replayed."""
 
     def step(self, slots: Sequence[int], pcm: np.ndarray) -> list[FrameOutput]:
         """Advance every slot in ``slots`` by one frame in one batched call.

@@ -18,6 +18,7 @@ from torch import nn
 from .compiled import compile_dynamic
 from .config import LMConfig
 from .modules.kv_ring import SlotKVRing, WindowMode, window_start
+from .modules.prompt_kv import PromptKV
 from .modules.layers import embed, gated_ffn, linear, rms_norm
 from .modules.rope import rope_tables, rotate
 
@@ -145,13 +146,12 @@ class MoshiLM(nn.Module):
         self,
         slots: torch.Tensor,
         x: torch.Tensor,
-        kv: SlotKVRing,
+        kv: SlotKVRing | PromptKV,
         window: str = WindowMode.REFERENCE,
-        fresh: bool = False,
     ) -> torch.Tensor:
         """Run input embeddings ``x`` [B, T, D] of ``slots`` at their next positions.
 
-        ``fresh``: the slots' caches were just reset (a prefill), see ``SlotKVRing.attend``.
+        ``kv``: the sessions' ring, or the ``PromptKV`` of one prefill under way.
 
         Returns the normed hidden state [B, T, D] (what feeds the text head and the depformer)
         and advances the slots' KV cache by T.  Each token is one reference call, so in
@@ -165,7 +165,7 @@ class MoshiLM(nn.Module):
         eps = cfg.norm_eps
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_input(x, layer.norm1, layer.in_proj, cfg.num_heads, eps, tables)
-            a = kv.attend(i, slots, q, k, v, positions, lo, fresh=fresh)
+            a = kv.attend(i, slots, q, k, v, positions, lo)
             x = self._attention_output_ffn(x, a, layer.out_proj, layer.norm2, layer.ffn_in, layer.ffn_out, eps)
         kv.advance(slots, T)
         return rms_norm(x, self.out_norm, cfg.norm_eps)

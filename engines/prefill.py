@@ -1,11 +1,12 @@
-"""Voice + persona prefill as one parallel causal pass, cached per (voice, persona).
+"""Voice + persona prefill as a parallel causal pass, cached per (voice, persona).
 
 Every stream is teacher-forced during the system prompt, so the temporal KV cache it leaves
 behind is a deterministic function of (voice, persona).  The reference spends one model
 call per prompt frame (100-200 calls); we replay the token bookkeeping without the model to
 learn what each position's input is, embed all positions at once, run the temporal
-transformer once over the whole prompt, and keep the resulting keys/values.  Installing a
-cached prefill into a slot is a copy.
+transformer over the whole prompt (in chunks of positions when it is long, so that live
+ticks can run between them), and keep the resulting keys/values.  Installing a cached
+prefill into a slot is a copy.
 
 Prompt phases (spec/model.md 4.3): the voice (replayed embeddings, N frames), 6 silence
 frames, one frame per persona token, 6 silence frames.  Live audio starts at offset
@@ -17,13 +18,14 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Generator, Sequence
 
 import torch
 
 from .config import AUDIO_SILENCE_FRAMES, SILENCE_TOKENS, SINE_TOKENS, TEXT_PAD_ID, LMConfig
 from .lm import MoshiLM
-from .modules.kv_ring import SlotKVRing
+from .interface import to_completion
+from .modules.prompt_kv import PromptKV
 from .token_state import TokenState
 from .voices import VoicePrompt
 
@@ -44,6 +46,16 @@ def prompt_frames(persona_tokens: Sequence[int]) -> list[PromptFrame]:
     silence = PromptFrame(TEXT_PAD_ID, SILENCE_TOKENS, SINE_TOKENS)
     persona = [PromptFrame(int(t), SILENCE_TOKENS, SINE_TOKENS) for t in persona_tokens]
     return [silence] * AUDIO_SILENCE_FRAMES + persona + [silence] * AUDIO_SILENCE_FRAMES
+
+
+def prompt_rows(persona_tokens: Sequence[int]) -> torch.Tensor:
+    """``prompt_frames`` as token rows [n, 17] (``PromptFrame.streams`` order), built without a
+    Python object per frame: a persona may be thousands of tokens."""
+    silence = torch.tensor(PromptFrame(TEXT_PAD_ID, SILENCE_TOKENS, SINE_TOKENS).streams(), dtype=torch.long)
+    rows = silence.repeat(len(persona_tokens) + 2 * AUDIO_SILENCE_FRAMES, 1)
+    rows[AUDIO_SILENCE_FRAMES : AUDIO_SILENCE_FRAMES + len(persona_tokens), 0] = torch.as_tensor(
+        list(persona_tokens), dtype=torch.long)
+    return rows
 
 
 def voice_replay_frame(cfg: LMConfig) -> PromptFrame:
@@ -115,12 +127,14 @@ def _replay(cfg: LMConfig, voice: VoicePrompt | None, persona_tokens: Sequence[i
         # Every target entry is forced during the prompt, so no sample is ever stored.
         tokens.end_call(slot, *no_samples)
 
-    prompt = prompt_frames(persona_tokens)
     voice_frames = voice.frames if voice is not None else 0
     if frames is not None:
-        tokens.offset[0] = voice_frames + len(prompt) - frames
-        prompt = prompt[len(prompt) - frames:]
-    elif voice is not None:
+        # The last ``frames`` frames of the prompt are those of its last ``frames`` tokens' prompt.
+        tokens.offset[0] = voice_frames + len(persona_tokens) + 2 * AUDIO_SILENCE_FRAMES - frames
+        prompt = prompt_frames(persona_tokens[len(persona_tokens) - min(frames, len(persona_tokens)):])[-frames:]
+    else:
+        prompt = prompt_frames(persona_tokens)
+    if frames is None and voice is not None:
         dummy = voice_replay_frame(cfg)
         for _ in range(voice.frames):
             run_frame(dummy, record=False)
@@ -145,17 +159,17 @@ def plan_prompt(cfg: LMConfig, voice: VoicePrompt | None, persona_tokens: Sequen
     rule (initial token, at p <= delay_k), the voice's saved ring (when the frame that
     wrote p, p - delay_k, belongs to the voice replay), or prompt frame p - delay_k.
     """
-    prompt = prompt_frames(persona_tokens)
-    if len(prompt) <= _TAIL_FRAMES:
+    frame_tokens = prompt_rows(persona_tokens)
+    length = frame_tokens.shape[0]
+    if length <= _TAIL_FRAMES:
         return plan_prompt_by_replay(cfg, voice, persona_tokens)
     voice_frames = voice.frames if voice is not None else 0
-    end = voice_frames + len(prompt)
+    end = voice_frames + length
     calls = torch.arange(max(voice_frames, 1), end)
     p = (calls - 1).view(-1, 1)  # [n, 1] positions read
     delays = torch.tensor(cfg.delays).view(1, -1)
     src = p - delays  # [n, 17] the frame whose force wrote p
-    frame_tokens = torch.tensor([f.streams() for f in prompt], dtype=torch.long)
-    rows = frame_tokens.gather(0, (src - voice_frames).clamp(0, len(prompt) - 1))
+    rows = frame_tokens.gather(0, (src - voice_frames).clamp(0, length - 1))
     if voice is not None:
         saved = voice.cache.to(torch.long).t().gather(0, torch.remainder(p, voice.cache.shape[1]).expand_as(src))
         rows = torch.where(src < voice_frames, saved, rows)
@@ -176,41 +190,60 @@ def prompt_embeddings(lm: MoshiLM, voice: VoicePrompt | None, plan: PromptPlan) 
     return torch.cat(parts, dim=0)
 
 
+# Prompt positions per piece of a prefill that live ticks may run between.  At the 7B
+# shapes a piece this long is well under a frame period of GPU time (docs/PERFORMANCE.md,
+# "Joining prefill"), and a typical voice + persona (~170 positions) is one piece.
+PREFILL_CHUNK = 256
+
+
 def build_prefill(
     lm: MoshiLM,
-    kv: SlotKVRing,
     voice: VoicePrompt | None,
     persona_tokens: Sequence[int],
     window: str,
-    scratch_slot: int = 0,
+    capacity: int,
+    chunk: int | None = None,
     graphs=None,
 ) -> Prefill:
-    """Compute the prefill in one temporal pass using ``scratch_slot`` of ``kv``.
-
-    The token bookkeeping of the prompt is planned on the CPU in closed form; only the
-    transformer pass runs on ``lm``'s device (replayed from ``graphs``, an
-    ``engines.gpu.prefill_graphs.PrefillGraphs``, when given and the prompt fits a bucket).
-    """
+    """The whole prefill of (``voice``, ``persona_tokens``) for a session window of
+    ``capacity`` positions, computed at once (``prefill_pieces`` for the arguments)."""
     plan = plan_prompt(lm.cfg, voice, persona_tokens)
-    return run_prefill_pass(lm, kv, voice, plan, window, scratch_slot, graphs)
+    return to_completion(prefill_pieces(lm, voice, plan, window, capacity, chunk, graphs))
 
 
-def run_prefill_pass(lm: MoshiLM, kv: SlotKVRing, voice: VoicePrompt | None, plan: PromptPlan,
-                     window: str, scratch_slot: int, graphs=None) -> Prefill:
-    """The device part of a prefill: embed, one causal pass from an empty cache, export."""
-    x = prompt_embeddings(lm, voice, plan)
-    total = x.shape[0]
-    replayed = graphs.run(x) if graphs is not None else None
+def prefill_pieces(lm: MoshiLM, voice: VoicePrompt | None, plan: PromptPlan, window: str, capacity: int,
+                   chunk: int | None = None, graphs=None) -> Generator[None, None, Prefill]:
+    """The device part of a prefill, one piece per ``next()``; the generator returns the
+    ``Prefill``.
+
+    A piece is ``chunk`` prompt positions of the causal pass (all of them when ``chunk`` is
+    None); the first piece also embeds the prompt.  The pass keeps its state in its own
+    ``PromptKV``, so between pieces the caller may run live ticks on ``lm``: that is how a
+    long prompt joins without pausing live sessions.  A prompt of at most ``chunk`` positions
+    is replayed from ``graphs`` (an ``engines.gpu.prefill_graphs.PrefillGraphs``) when one of
+    its buckets holds it.  Chunked or not, each query sees the keys one pass would show it.
+    """
+    with torch.inference_mode():
+        x = prompt_embeddings(lm, voice, plan)
+        total = x.shape[0]
+        chunk = total if chunk is None else chunk
+        replayed = graphs.run(x) if graphs is not None and total <= chunk else None
     if replayed is not None:
-        keys, values = replayed  # positions 0..total-1 (a bucket never exceeds the capacity)
+        keys, values = replayed
         return Prefill(keys, values, 0, plan.token_cache, plan.token_provided, plan.offset)
-    slot = torch.tensor([scratch_slot], device=lm.device)
-    kv.reset(slot)
-    with torch.no_grad():
-        lm.temporal(slot, x.unsqueeze(0), kv, window, fresh=True)
-    start = max(0, total - kv.capacity)
-    keys, values = kv.export(scratch_slot, start, total)
-    return Prefill(keys, values, start, plan.token_cache, plan.token_provided, plan.offset)
+    cfg = lm.cfg
+    kv = PromptKV(cfg.num_layers, cfg.num_heads, cfg.head_dim, window=capacity, prompt=total, chunk=chunk,
+                  device=lm.device, dtype=lm.dtype)
+    sequence = torch.zeros(1, dtype=torch.long, device=lm.device)
+    for start in range(0, total, chunk):
+        if start:
+            yield  # outside inference mode: the caller's code runs in its own mode
+        with torch.inference_mode():
+            lm.temporal(sequence, x[None, start : start + chunk], kv, window)
+    first = max(0, total - capacity)
+    with torch.inference_mode():
+        keys, values = kv.export(first, total)
+    return Prefill(keys, values, first, plan.token_cache, plan.token_provided, plan.offset)
 
 
 class PrefillCache:

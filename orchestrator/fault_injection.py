@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -113,8 +114,8 @@ class FaultyEngine:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def open_slot(self, spec: SessionSpec) -> int:
-        slot = self.inner.open_slot(spec)
+    def open_slot(self, spec: SessionSpec, prefill: Any = None) -> int:
+        slot = self.inner.open_slot(spec, prefill)
         plan = next((p for p in self.plans if p.persona in spec.persona), None)
         if plan is not None and plan.mode == "leak_open":
             self._fired(plan, slot)
@@ -133,13 +134,13 @@ class FaultyEngine:
         self._victims.pop(slot, None)
         self.inner.close_slot(slot)
 
-    def restart_slot(self, slot: int) -> None:
+    def restart_slot(self, slot: int, prefill: Any = None) -> None:
         victim = self._victims.get(slot)
         if victim is not None and victim.restart_due:
             victim.restart_due = False
             self._fired(victim.plan, slot)
             raise EngineError(f"injected fault: restart of slot {slot} failed")
-        self.inner.restart_slot(slot)
+        self.inner.restart_slot(slot, prefill)
 
     def step(self, slots: Sequence[int], pcm: np.ndarray) -> list[FrameOutput]:
         firing = [(i, slot, self._victims[slot].plan) for i, slot in enumerate(slots)

@@ -93,6 +93,10 @@ class Metrics:
             buckets=TICK_BUCKETS_S, registry=reg)
         self._device_batch = prom.Histogram("personaplex_device_batch_size", "Sessions advanced per tick, per device.",
                                             ["device"], buckets=BATCH_BUCKETS, registry=reg)
+        self._engine_job_seconds = prom.Histogram(
+            "personaplex_engine_job_duration_seconds", "Engine time of one piece of control work run between ticks "
+            "(live sessions wait for it), by kind: open (a chunk of a joining session's prefill, or its install), "
+            "restart, close.", ["kind"], buckets=TICK_BUCKETS_S, registry=reg)
         self._frame_latency = prom.Histogram(
             "personaplex_frame_latency_seconds", "A client frame's arrival at the socket to its output frame "
             "leaving the socket, per device.", ["device"], buckets=FRAME_LATENCY_BUCKETS_S, registry=reg)
@@ -105,7 +109,8 @@ class Metrics:
                                       "tick over its live sessions (1 = one tick serves everyone).", ["device"],
                                       registry=reg, multiprocess_mode="livemax")
         self._declared = [m for metric in (*self._counters.values(), self._ticks, self._tick_seconds, self._batch,
-                                           self._device_tick_seconds, self._device_batch, self._frame_latency,
+                                           self._device_tick_seconds, self._device_batch, self._engine_job_seconds,
+                                           self._frame_latency,
                                            self._loop_lag, self._loop_tasks, self._batch_fill)
                           for m in metric.describe()]
         for protocol in PROTOCOLS:  # listed from the start, as the unlabelled counters are
@@ -142,6 +147,10 @@ class Metrics:
         self._counters["frames_out"].inc(batch)
         if silence_frames:
             self._counters["frames_in"].labels("silence").inc(silence_frames)
+
+    def observe_engine_job(self, kind: str, seconds: float) -> None:
+        """One piece of control work between ticks (``kind``: open, restart, close)."""
+        self._engine_job_seconds.labels(kind).observe(seconds)
 
     def declare_device(self, device: str) -> None:
         """List a device's histograms before its first tick."""

@@ -8,7 +8,8 @@ import torch
 
 from engines import checkpoint as ckpt
 from engines.engine import EngineOptions, PersonaPlexEngine
-from engines.interface import InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec
+from engines.interface import InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec, to_completion
+from engines.prefill import plan_prompt, prefill_pieces
 
 GREEDY = SamplingParams(greedy=True)
 FRAMES = 40
@@ -44,7 +45,15 @@ def close_all(engine):
         engine.close_slot(slot)
 
 
-def test_parallel_prefill_equals_stepwise_prefill(engine, speech_pcm):
+@pytest.fixture(scope="module")
+def chunked_engine(tiny_checkpoint):
+    """Prefills in pieces of 16 positions: the tiny prompts take ~15 pieces and wrap the window."""
+    return make_engine(tiny_checkpoint, prefill_chunk=16)
+
+
+@pytest.mark.parametrize("which", ["one_pass", "pieces_of_16"])
+def test_parallel_prefill_equals_stepwise_prefill(request, which, speech_pcm):
+    engine = request.getfixturevalue("engine" if which == "one_pass" else "chunked_engine")
     close_all(engine)
     spec = SessionSpec(voice="NATM1.pt", persona="You enjoy having a good conversation.", sampling=GREEDY)
     a = engine.open_slot(spec)
@@ -64,6 +73,32 @@ def test_parallel_prefill_equals_stepwise_prefill(engine, speech_pcm):
     assert ta == tb
     assert np.allclose(pa, pb, atol=1e-4)
     close_all(engine)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 31, 33, 64])
+def test_a_prefill_in_pieces_equals_the_one_pass(engine, chunk):
+    """Split into chunks of any size, the prefill gives the one pass's keys/values: each
+    chunk's queries see exactly the keys they would have seen, also once the prompt is far
+    longer than the window (the tiny model's is 32 positions) and the pieces' cache wraps."""
+    window = engine.options.window
+    voice = engine.voice_store.load("NATM1.pt")
+    persona = engine.tokenizer.persona_tokens("You enjoy having a good conversation about the weather. " * 10)
+    plan = plan_prompt(engine.cfg, voice, persona)
+    one = to_completion(prefill_pieces(engine.lm, voice, plan, window, engine.cfg.context))
+    total = one.positions
+    assert total > 3 * engine.cfg.context
+    pieces = prefill_pieces(engine.lm, voice, plan, window, engine.cfg.context, chunk)
+    count = 1
+    while True:
+        try:
+            next(pieces)
+            count += 1
+        except StopIteration as done:
+            split = done.value
+            break
+    assert count == -(-total // chunk)
+    assert (split.start, split.positions, split.offset) == (one.start, one.positions, one.offset)
+    assert torch.allclose(split.keys, one.keys, atol=1e-5) and torch.allclose(split.values, one.values, atol=1e-5)
 
 
 def test_batch_equals_sessions_run_alone(tiny_checkpoint, engine, speech_pcm):

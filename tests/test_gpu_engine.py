@@ -111,23 +111,28 @@ def test_float32_fast_path_variants_against_cpu(tiny_checkpoint, frames, no_tf32
 
 def test_prefill_graph_replay_equals_the_eager_pass(tiny_checkpoint, no_tf32):
     """A prompt padded to a bucket and replayed from a CUDA graph gives the keys/values of
-    the unpadded eager pass (causal pass from an empty cache: padding never leaks back)."""
+    the unpadded eager pass (causal pass from an empty cache: padding never leaks back),
+    also for a bucket longer than the session window (the window is a mask, not a wrap)."""
     from engines.gpu.prefill_graphs import PrefillGraphs
-    from engines.prefill import plan_prompt, run_prefill_pass
+    from engines.interface import to_completion
+    from engines.prefill import plan_prompt, prefill_pieces
 
     files = ckpt.locate(tiny_checkpoint)
     engine = PersonaPlexEngine.from_files(files, 2, EngineOptions(device="cuda", lm_dtype="float32"))
     cfg = engine.cfg
-    graphs = PrefillGraphs(engine.lm, engine.kv, engine.options.window, engine.scratch, buckets=(16, cfg.context))
-    for persona in ([5, 9, 200], list(range(40, 55))):  # 14 and 26 positions: buckets 16 and 32
+    window = engine.options.window
+    graphs = PrefillGraphs(engine.lm, window, cfg.context, chunk=64, buckets=(16, 64, 128))
+    assert graphs.buckets == (16, 64)  # only prompts of one piece are replayed
+    # 14, 26 and 50 positions: buckets 16 and 64 (twice the 32-position window).
+    for persona in ([5, 9, 200], list(range(40, 55)), list(range(40, 79))):
         plan = plan_prompt(cfg, None, persona)
-        eager = run_prefill_pass(engine.lm, engine.kv, None, plan, engine.options.window, engine.scratch)
-        replay = run_prefill_pass(engine.lm, engine.kv, None, plan, engine.options.window, engine.scratch, graphs)
-        assert replay.start == eager.start == 0 and replay.keys.shape == eager.keys.shape
+        eager = to_completion(prefill_pieces(engine.lm, None, plan, window, cfg.context))
+        replay = to_completion(prefill_pieces(engine.lm, None, plan, window, cfg.context, 64, graphs))
+        assert replay.start == eager.start and replay.keys.shape == eager.keys.shape
         assert torch.allclose(replay.keys, eager.keys, atol=1e-5) and torch.allclose(replay.values, eager.values, atol=1e-5)
-    assert sorted(graphs._graphs) == [16, cfg.context]
+    assert sorted(graphs._graphs) == [16, 64]
     # Longer than every bucket: no graph, the caller runs the eager pass.
-    assert graphs.run(torch.zeros(cfg.context + 1, cfg.dim, device="cuda")) is None
+    assert graphs.run(torch.zeros(65, cfg.dim, device="cuda")) is None
 
 
 def test_capture_graphs_captures_every_bucket_up_front(tiny_checkpoint):
@@ -136,3 +141,4 @@ def test_capture_graphs_captures_every_bucket_up_front(tiny_checkpoint):
     engine = PersonaPlexEngine.from_files(ckpt.locate(tiny_checkpoint), 6, EngineOptions(device="cuda"))
     engine.capture_graphs()
     assert sorted(engine.graphs._graphs) == engine.graphs.buckets
+    assert tuple(sorted(engine.prefill_graphs._graphs)) == engine.prefill_graphs.buckets

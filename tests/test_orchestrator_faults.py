@@ -180,11 +180,13 @@ def test_fault_plans_are_checked():
             FaultPlan.parse_all(bad)
 
 
-def test_a_slot_the_engine_lost_is_not_counted_free():
+@pytest.mark.parametrize("engine_host", ["process", "thread"])
+def test_a_slot_the_engine_lost_is_not_counted_free(engine_host):
     """An engine that lost a slot (an open failed after taking it, injected): /ready and
     admission count the engine's own slots, so the lost one is never offered; the others
-    serve."""
-    server = Server(max_sessions=2, silence_grace_s=0, fault_injection="persona=FAULT-LEAK,mode=leak_open,after=1")
+    serve.  In both layouts: the engine in its own process, or in a thread of the worker."""
+    server = Server(max_sessions=2, silence_grace_s=0, engine_host=engine_host,
+                    fault_injection="persona=FAULT-LEAK,mode=leak_open,after=1")
     try:
         async def scenario():
             client = await Client.connect(server.ws + "/v1/realtime?duplex=1")

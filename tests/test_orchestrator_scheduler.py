@@ -200,3 +200,41 @@ def test_open_runs_between_ticks_without_starving(make_scheduler):
     future.result(30)
     assert seen[0] <= ticks_at_request + 1
     sink.wait(lambda: len(sink.of("busy")) == 40)
+
+
+LONG_PERSONA = "You are a patient and thorough teacher. " * 1000  # 40,000 characters: ~16,000 positions
+
+
+def test_a_long_prefill_runs_in_pieces_between_the_live_lanes_ticks(make_scheduler):
+    """A cold prefill of a long persona comes in pieces of 256 positions, one per gap between
+    ticks: the live lane keeps ticking while the joiner is prepared, instead of waiting for
+    the whole pass (on the old, unsplit prefill it got no tick at all meanwhile)."""
+    scheduler, sink = make_scheduler()
+    scheduler.open("live", GREEDY).result(30)
+    scheduler.push("live", 0, frames(200))  # always a frame ready: it ticks whenever allowed
+    sink.wait(lambda: len(sink.of("live")) >= 2)
+    ticks_at_request = len(sink.of("live"))
+    seen: list[int] = []
+    future = scheduler.open("joiner", SessionSpec(persona=LONG_PERSONA, sampling=GREEDY.sampling))
+    future.add_done_callback(lambda _: seen.append(len(sink.of("live"))))
+    assert future.result(60) is not None
+    ticks_during = seen[0] - ticks_at_request
+    assert ticks_during >= 30, f"only {ticks_during} live ticks ran while ~60 prefill pieces did"
+    sink.wait(lambda: len(sink.of("live")) == 200)
+
+
+def test_a_client_that_leaves_during_its_prefill_leaves_nothing_behind(make_scheduler):
+    """Closing a session whose long prefill is under way cancels it between two pieces: the
+    rest of the pass is not computed and no slot is taken."""
+    scheduler, sink = make_scheduler()
+    scheduler.open("live", GREEDY).result(30)
+    scheduler.push("live", 0, frames(200))
+    sink.wait(lambda: len(sink.of("live")) >= 2)
+    pending = scheduler.open("leaver", SessionSpec(persona=LONG_PERSONA, sampling=GREEDY.sampling))
+    sink.wait(lambda: len(sink.of("live")) >= 12)  # a few of its pieces ran meanwhile
+    assert not pending.done()
+    scheduler.close("leaver").result(30)
+    assert pending.cancelled()
+    assert scheduler.slots_taken == 1
+    sink.wait(lambda: len(sink.of("live")) == 200)
+    assert not scheduler._jobs

@@ -1,15 +1,16 @@
 """CUDA graphs of the prefill pass, one per padded prompt length.
 
-A cold prefill (a new voice + persona) runs the temporal transformer once over a few
-hundred prompt positions.  Eagerly that is ~1,500 kernel launches, so the pass is bound by
-the host issuing them (tens of ms on the engine thread, during which live ticks wait), not
-by the GPU.  Replaying a graph issues the whole pass at once.
+A cold prefill (a new voice + persona) runs the temporal transformer over a few hundred
+prompt positions.  Eagerly that is ~1,500 kernel launches, so the pass is bound by the host
+issuing them (tens of ms on the engine thread, during which live ticks wait), not by the
+GPU.  Replaying a graph issues the whole pass at once.
 
 Prompts are padded at the end to a bucket length.  The pass is causal and starts from an
 empty cache, so padding positions never influence the real ones: the keys/values of
-positions ``0..n-1`` are the same as an unpadded pass would give (the graph's own
-rounding aside), and only those are returned.  Buckets longer than the cache's capacity are
-not used (the ring would wrap over the real positions): such prompts run eagerly.
+positions ``0..n-1`` are the same as an unpadded pass would give (the graph's own rounding
+aside), and only those are returned.  Only prompts that fit one piece of the chunked prefill
+(``engines.prefill.prefill_pieces``) are replayed: the buckets stop at the chunk length, and
+longer prompts run eagerly a chunk at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+from ..modules.prompt_kv import PromptKV
 
 log = logging.getLogger(__name__)
 
@@ -28,23 +31,29 @@ BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 class _PrefillGraph:
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor  # [1, bucket, D] input embeddings (zero padded)
-    keys: torch.Tensor  # [layers, H, bucket, Dh]
-    values: torch.Tensor
+    kv: PromptKV  # the pass's keys/values of all ``bucket`` positions
 
 
 class PrefillGraphs:
-    def __init__(self, lm, kv, window: str, scratch_slot: int, buckets: tuple[int, ...] = BUCKETS) -> None:
+    def __init__(self, lm, window: str, capacity: int, chunk: int, buckets: tuple[int, ...] = BUCKETS) -> None:
+        """Graphs of passes over prompts of up to ``chunk`` positions, for sessions whose
+        window holds ``capacity`` positions (``window``: the window mode)."""
         self.lm = lm
-        self.kv = kv
         self.window = window
-        self.buckets = tuple(b for b in sorted(buckets) if b <= kv.capacity)
-        self._slot = torch.tensor([scratch_slot], device=lm.device)
-        self._scratch = scratch_slot
+        self.capacity = capacity
+        self.buckets = tuple(b for b in sorted(buckets) if b <= chunk)
+        self._sequence = torch.zeros(1, dtype=torch.long, device=lm.device)
         self._graphs: dict[int, _PrefillGraph] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
     def bucket_for(self, positions: int) -> int | None:
         return next((b for b in self.buckets if b >= positions), None)
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (start-up) rather than on first use."""
+        for bucket in self.buckets:
+            if bucket not in self._graphs:
+                self._graphs[bucket] = self._capture(bucket)
 
     def run(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys/values [layers, H, n, Dh] of prompt embeddings ``x`` [n, D] at positions
@@ -58,29 +67,29 @@ class PrefillGraphs:
             g = self._graphs[bucket] = self._capture(bucket)
         g.x[0, :n].copy_(x)
         g.x[0, n:].zero_()
-        # Resetting writes a host scalar, which capture forbids: it runs before the replay.
-        self.kv.reset(self._slot)
         g.graph.replay()
-        return g.keys[:, :, :n].clone(), g.values[:, :, :n].clone()
+        return g.kv.keys[:, 0, :, :n].clone(), g.kv.values[:, 0, :, :n].clone()
 
-    def _pass(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.lm.temporal(self._slot, x, self.kv, self.window, fresh=True)
-        return self.kv.export(self._scratch, 0, x.shape[1])
+    def _pass(self, g: _PrefillGraph) -> None:
+        g.kv.written = 0
+        self.lm.temporal(self._sequence, g.x, g.kv, self.window)
 
     def _capture(self, bucket: int) -> _PrefillGraph:
-        x = torch.zeros(1, bucket, self.lm.cfg.dim, device=self.lm.device, dtype=self.lm.dtype)
+        lm = self.lm
+        cfg = lm.cfg
         with torch.inference_mode():
+            x = torch.zeros(1, bucket, cfg.dim, device=lm.device, dtype=lm.dtype)
+            kv = PromptKV(cfg.num_layers, cfg.num_heads, cfg.head_dim, window=self.capacity, prompt=bucket,
+                          chunk=bucket, device=lm.device, dtype=lm.dtype)
+            g = _PrefillGraph(torch.cuda.CUDAGraph(), x, kv)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # lazy initialisation and compilation happen here, not in capture
-                    self.kv.reset(self._slot)
-                    self._pass(x)
+                    self._pass(g)
             torch.cuda.current_stream().wait_stream(side)
-            self.kv.reset(self._slot)
-            graph = torch.cuda.CUDAGraph()
             # thread_local: other GPUs' engine threads run on meanwhile (graphs.py says why).
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                keys, values = self._pass(x)
+            with torch.cuda.graph(g.graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._pass(g)
         log.info("captured the prefill graph for prompts of up to %d positions", bucket)
-        return _PrefillGraph(graph, x, keys, values)
+        return g

@@ -36,16 +36,16 @@ def main() -> None:
     tok = Path(tempfile.mkdtemp()) / "tok.model"
     train_tokenizer(tok)
     engine = build_random_engine(args.batch, "cuda", tok, kv_cache=config.kv_cache, compile=config.compile)
-    base = build_prefill(engine.lm, engine.kv, typical_voice(engine.cfg), list(range(100, 200)),
-                         engine.options.window, engine.scratch)
+    base = build_prefill(engine.lm, typical_voice(engine.cfg), list(range(100, 200)), engine.options.window,
+                         engine.kv.capacity)
     prefill = full_window_prefill(engine, base)
     if args.prefill:
         voice, persona = typical_voice(engine.cfg), list(range(100, 200))
 
         def run_once() -> None:
             with torch.inference_mode():
-                build_prefill(engine.lm, engine.kv, voice, persona, engine.options.window, engine.scratch,
-                              graphs=engine.prefill_graphs)
+                build_prefill(engine.lm, voice, persona, engine.options.window, engine.kv.capacity,
+                              engine.options.prefill_chunk, engine.prefill_graphs)
         label = f"prefill (60-frame voice + 100-token persona) {config.name}"
     else:
         spec = SessionSpec(sampling=SamplingParams(greedy=True))

@@ -13,9 +13,9 @@ oldest ring entry once the ring has wrapped (spec/model.md section 10), upstream
 moshi keeps the full ``capacity`` keys.
 
 For ``T <= capacity`` new tokens are written into the ring first and attention runs over
-the ring in ring order, which is exactly the reference's computation; longer chunks (a long
-parallel prefill into a small tiny-model window) attend over old ring + new keys and then
-keep the newest ``capacity`` keys.
+the ring in ring order, which is exactly the reference's computation; longer calls attend
+over old ring + new keys and then keep the newest ``capacity`` keys.  (A prefill does not
+run here: it has its own ``PromptKV``.)
 
 ``fp8=True`` stores keys and values as float8 e4m3 with one float32 scale per (position,
 head): each head's 128-vector is scaled by its own absolute maximum when written, so no
@@ -146,18 +146,15 @@ class SlotKVRing:
         v: torch.Tensor,
         positions: torch.Tensor,
         lo: torch.Tensor,
-        fresh: bool = False,
     ) -> torch.Tensor:
         """Store ``k, v`` [B, H, T, D] at ``positions`` [B, T] and attend with ``q``.
 
         ``lo`` [B, T] is the lowest visible key position per query (see ``window_start``).
-        ``fresh``: the slots were just reset, so nothing older than this call is visible and
-        attention needs only this call's keys (a prefill skips reading the whole ring).
         Does not advance ``length``: call ``advance`` once after the last layer.
         """
         B, H, T, D = k.shape
         C = self.capacity
-        if T <= DECODE_MAX_TOKENS and T <= C and not fresh and gpu_attention.available(q.device):
+        if T <= DECODE_MAX_TOKENS and T <= C and gpu_attention.available(q.device):
             # Streaming step on a GPU (the LM's 1 token, Mimi's 2): write the keys, then
             # read each slot's window in place instead of gathering it; each query is one
             # row of the kernel.  Ring entries older than the call's first write still hold
@@ -171,10 +168,7 @@ class SlotKVRing:
                                                     self.values[layer], rows, positions.reshape(-1),
                                                     lo.reshape(-1), k_scale, v_scale)
             return out.view(B, T, H, D).transpose(1, 2)
-        if fresh:
-            keys, values, key_pos = k, v, positions
-            self._store_newest(layer, slots, positions, k, v)
-        elif T <= C:
+        if T <= C:
             # Write first, then attend over the ring in ring order, as the reference does.
             self._store_newest(layer, slots, positions, k, v)
             keys, values = self._load(layer, slots)

@@ -28,8 +28,10 @@ from ..engine import (
 from ..interface import (
     EngineInfo,
     FrameOutput,
+    Pieces,
     PrefillUnavailable,
     SessionSpec,
+    in_one_piece,
 )
 from ..lm import MoshiLM
 from ..mimi import MimiCodec
@@ -129,6 +131,7 @@ class TrtllmEngine:
         self.voice_store.check(spec.voice)
 
     def prepare(self, spec: SessionSpec) -> StoredPrefill:
+        self.validate(spec)
         persona = tuple(self.tokenizer.persona_tokens(spec.effective_persona))
         key = (spec.voice, persona)
         prefill = self.stored.get(key) or self.prefills.get(key)
@@ -145,9 +148,14 @@ class TrtllmEngine:
                                      f"positions; the engine takes {self.meta.max_prefill}")
         return prefill
 
-    def open_slot(self, spec: SessionSpec) -> int:
-        self.validate(spec)
-        prefill = self.prepare(spec)
+    def prepare_in_pieces(self, spec: SessionSpec) -> Pieces[StoredPrefill]:
+        """One piece: here ``prepare`` only embeds the prompt (milliseconds); the pass itself
+        is the context phase that ``open_slot`` runs in TensorRT-LLM, which cannot be split."""
+        return in_one_piece(lambda: self.prepare(spec))
+
+    def open_slot(self, spec: SessionSpec, prefill: StoredPrefill | None = None) -> int:
+        if prefill is None:
+            prefill = self.prepare(spec)
         slot = self.slots.reserve()
         try:
             self._install(slot, prefill)
@@ -158,8 +166,8 @@ class TrtllmEngine:
         self.settings.set(slot, spec)
         return slot
 
-    def restart_slot(self, slot: int) -> None:
-        self._install(slot, self.prepare(self.slots.spec(slot)))
+    def restart_slot(self, slot: int, prefill: StoredPrefill | None = None) -> None:
+        self._install(slot, prefill if prefill is not None else self.prepare(self.slots.spec(slot)))
 
     def close_slot(self, slot: int) -> None:
         self.slots.release(slot)

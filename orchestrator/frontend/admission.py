@@ -2,35 +2,45 @@
 
 A slot is counted from the moment an open is admitted (so concurrent opens cannot
 oversubscribe while the prefill runs) until the engine has released it after cleanup (so a
-reopen never races a close that has not finished).  Used only on the event loop.
+reopen never races a close that has not finished).  What is held is never less than the
+slots the engine itself reports taken, so a slot the engine lost is never offered as free.
+Used only on the event loop.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 
 class SlotPool:
-    def __init__(self, capacity: int) -> None:
+    """Admission of an engine that runs in this process (``PERSONAPLEX_ENGINE_HOST=thread``)."""
+
+    def __init__(self, capacity: int, engine_taken: Callable[[], int] = lambda: 0) -> None:
+        # ``engine_taken``: the slots the engine holds (``TickScheduler.slots_taken``).
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
-        self.held = 0
+        self.admitted = 0
+        self._engine_taken = engine_taken
+
+    @property
+    def held(self) -> int:
+        return max(self.admitted, self._engine_taken())
 
     @property
     def free(self) -> int:
-        return self.capacity - self.held
+        return max(0, self.capacity - self.held)
 
     def try_acquire(self) -> bool:
         if self.held >= self.capacity:
             return False
-        self.held += 1
+        self.admitted += 1
         return True
 
     def release(self) -> None:
-        if self.held <= 0:
+        if self.admitted <= 0:
             raise RuntimeError("SlotPool.release without a matching acquire")
-        self.held -= 1
+        self.admitted -= 1
 
 
 class EngineAdmission:

@@ -56,7 +56,8 @@ class DeviceEngine:
         self.index = index
         self.label = label  # the device, made unique ("cpu#1") when a device serves twice
         self.admission: SlotPool | EngineAdmission = (
-            EngineAdmission(scheduler) if isinstance(scheduler, EngineLink) else SlotPool(max_sessions or 0))
+            EngineAdmission(scheduler) if isinstance(scheduler, EngineLink)
+            else SlotPool(max_sessions or 0, lambda: scheduler.slots_taken))
         self.scheduler = scheduler
         self.watchdog = Watchdog(scheduler, watchdog_deadline_s, metrics,
                                  lambda call, elapsed: on_stall(self, call, elapsed),

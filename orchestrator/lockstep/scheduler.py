@@ -18,8 +18,12 @@ left to step) gets one silence frame per 80 ms so the conversation stays clocked
 
 Control work (opening a slot with its prefill, restarting an epoch) is expensive and runs on
 this same thread, so it is placed where it costs live lanes least: right after a tick, when
-the paced clients' next frames are furthest away, at most one job per gap, or whenever no
-lane has a frame waiting.  Closes are cheap and run before anything else.
+the paced clients' next frames are furthest away, at most one piece of work per gap, or
+whenever no lane has a frame waiting.  A cold prefill comes in pieces of bounded cost
+(``Engine.prepare_in_pieces``: a chunk of prompt positions each), so a long persona joins
+over several gaps instead of holding every live lane for the whole pass; jobs take turns a
+piece at a time, so one long prefill does not hold up the opens queued behind it.  Closes
+are cheap and run before anything else.
 
 Faults: a ``SlotFault`` from ``engine.step`` fails only the slots it names (the others keep
 their outputs, or have their frames stepped again if none advanced); any other exception
@@ -45,7 +49,7 @@ import numpy as np
 from engines import progress
 from engines.config import FRAME_SAMPLES, ConfigError
 from engines.errors import AudioInputError, CheckpointError
-from engines.interface import Engine, EngineInfo, FrameOutput, SessionSpec, SlotFault
+from engines.interface import Engine, EngineInfo, FrameOutput, Pieces, SessionSpec, SlotFault
 
 from ..metrics import Metrics
 from ..protocol.audio import float_to_pcm16
@@ -56,6 +60,8 @@ log = logging.getLogger(__name__)
 # Load failures caused by the checkpoint, a voice or the machine (not by this code): logged as
 # one line (the server stays up; /health says why).
 _INPUT_LOAD_ERRORS = (CheckpointError, ConfigError, AudioInputError, OSError, MemoryError)
+
+_UNFINISHED = object()  # a job's preparation has pieces left
 
 TICK_TIME_SMOOTHING = 0.2  # weight of the newest tick in the moving average the policy reads
 
@@ -120,10 +126,22 @@ def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseEx
         pass
 
 
+@dataclass
+class _Job:
+    """Control work that may take several pieces: opening a lane, or restarting one."""
+
+    kind: str  # open | restart
+    key: str
+    spec: SessionSpec | None = None  # open: what to open
+    future: concurrent.futures.Future | None = None  # open: settled with the slot or the error
+    pieces: Pieces | None = None  # the preparation under way, once its first piece ran
+
+
 class _Lane:
-    def __init__(self, key: str, slot: int, now: float) -> None:
+    def __init__(self, key: str, slot: int, spec: SessionSpec, now: float) -> None:
         self.key = key
         self.slot = slot
+        self.spec = spec  # what a restart prepares again
         self.epoch = 0  # epoch the slot's model context belongs to
         self.want_epoch = 0  # epoch the session asked for; a restart is due while they differ
         self.restart_queued = False
@@ -162,7 +180,7 @@ class TickScheduler:
         self._cond = threading.Condition()
         self._lanes: dict[str, _Lane] = {}
         self._closes: deque[tuple[str, concurrent.futures.Future]] = deque()
-        self._jobs: deque[tuple[Any, ...]] = deque()  # expensive control work, FIFO
+        self._jobs: deque[_Job] = deque()  # expensive control work, a piece at a time in turn
         self._after_tick = False
         self._last_take = float("-inf")  # when the latest tick's frames were taken
         self._live_at_take = 0  # live lanes when the latest tick's frames were taken (batch fill)
@@ -220,7 +238,7 @@ class TickScheduler:
         or the engine's ``EngineError``."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            self._jobs.append(("open", key, spec, future))
+            self._jobs.append(_Job("open", key, spec, future))
             self._cond.notify()
         return future
 
@@ -240,7 +258,7 @@ class TickScheduler:
         lane.frames.clear()
         if not lane.restart_queued:
             lane.restart_queued = True
-            self._jobs.append(("restart", lane.key))
+            self._jobs.append(_Job("restart", lane.key))
 
     def close(self, key: str) -> concurrent.futures.Future:
         """Release the lane's slot (or cancel its pending open); the future resolves once the
@@ -298,14 +316,18 @@ class TickScheduler:
                 self._tick(engine, action[1])
                 self._after_tick = True
                 continue
-            self.busy = EngineCall(kind, self._clock(), 1)
+            job = action[1] if kind == "job" else None
+            self.busy = EngineCall(job.kind if job is not None else kind, self._clock(), 1)
+            start = self._clock()
             try:
-                if kind == "close":
+                if job is None:
                     self._close(engine, *action[1:])
-                else:
-                    self._job(engine, action)
+                elif not self._job(engine, job):
+                    with self._cond:  # unfinished: its next piece after the other jobs' turns
+                        self._jobs.append(job)
             finally:
                 self.busy = None
+                self._metrics.observe_engine_job(job.kind if job is not None else kind, self._clock() - start)
         for key in list(self._lanes):
             self._close(engine, key, concurrent.futures.Future())
 
@@ -380,7 +402,7 @@ class TickScheduler:
                 ready = [lane for lane in live if lane.frames]
                 if self._jobs and (self._after_tick or not ready):
                     self._after_tick = False
-                    return self._jobs.popleft()
+                    return ("job", self._jobs.popleft())
                 oldest = min(lane.frames[0][1] for lane in ready) if ready else None
                 decision = self._policy.decide(TickState(now, len(live), len(ready), oldest, self._last_take,
                                                          self._tick_s))
@@ -507,10 +529,10 @@ class TickScheduler:
     def _close(self, engine: Engine, key: str, future: concurrent.futures.Future) -> None:
         with self._cond:
             lane = self._lanes.pop(key, None)
-            if lane is None:  # not opened yet: cancel the pending open instead
-                for job in [job for job in self._jobs if job[0] == "open" and job[1] == key]:
+            if lane is None:  # not opened yet: cancel the pending open (and drop its prefill) instead
+                for job in [job for job in self._jobs if job.kind == "open" and job.key == key]:
                     self._jobs.remove(job)
-                    job[3].cancel()
+                    job.future.cancel()
         error = None
         try:
             if lane is not None:
@@ -524,35 +546,73 @@ class TickScheduler:
     def _count_slots(self, engine: Engine) -> None:
         self.slots_taken = engine.info.max_slots - engine.free_slots()
 
-    def _job(self, engine: Engine, job: tuple[Any, ...]) -> None:
-        kind, key = job[0], job[1]
-        if kind == "open":
-            spec, future = job[2], job[3]
-            try:
-                slot = engine.open_slot(spec)  # validates and prepares (cached prefill) itself
-            except Exception as exc:  # noqa: BLE001 - EngineError subclasses carry the client code
-                self._count_slots(engine)
-                _settle(future, error=exc)
-                return
+    def _job(self, engine: Engine, job: _Job) -> bool:
+        """Run the next piece of ``job``; True once it is finished (done, failed or moot)."""
+        if job.kind == "open":
+            return self._open_piece(engine, job)
+        return self._restart_piece(engine, job)
+
+    def _open_piece(self, engine: Engine, job: _Job) -> bool:
+        try:
+            prefill = self._prepare_piece(engine, job, job.spec)
+            if prefill is _UNFINISHED:
+                return False
+            slot = engine.open_slot(job.spec, prefill)
+        except Exception as exc:  # noqa: BLE001 - EngineError subclasses carry the client code
             self._count_slots(engine)
-            with self._cond:
-                # Installed even if the waiter went away: its close follows and frees the slot.
-                self._lanes[key] = _Lane(key, slot, self._clock())
-            _settle(future, slot)
-        elif kind == "restart":
-            with self._cond:
-                lane = self._lanes.get(key)
-                if lane is None or lane.closing:
-                    return
-                lane.restart_queued = False
-                target = lane.want_epoch
-            try:
-                engine.restart_slot(lane.slot)
-            except Exception:  # noqa: BLE001
-                log.exception("restart_slot(%s) failed", lane.slot)
-                self._hand_back([FrameFailure(key, target, "restart of the model context failed", fatal=True)])
-                return
-            with self._cond:
-                lane.epoch = target
-                lane.stalled_since = self._clock()
-                lane.next_silence = None
+            _settle(job.future, error=exc)
+            return True
+        self._count_slots(engine)
+        with self._cond:
+            # Installed even if the waiter went away: its close follows and frees the slot.
+            self._lanes[job.key] = _Lane(job.key, slot, job.spec, self._clock())
+        _settle(job.future, slot)
+        return True
+
+    def _restart_piece(self, engine: Engine, job: _Job) -> bool:
+        with self._cond:
+            lane = self._lanes.get(job.key)
+            if lane is None or lane.closing:
+                return True
+        try:
+            prefill = self._prepare_piece(engine, job, lane.spec)
+        except Exception:  # noqa: BLE001
+            log.exception("preparing the restart of slot %s failed", lane.slot)
+            self._restart_failed(lane)
+            return True
+        if prefill is _UNFINISHED:
+            return False
+        with self._cond:
+            # The epoch asked for by now: a restart asked for while this one was being
+            # prepared is the same work (its frames were dropped already).
+            lane.restart_queued = False
+            target = lane.want_epoch
+        try:
+            engine.restart_slot(lane.slot, prefill)
+        except Exception:  # noqa: BLE001
+            log.exception("restart_slot(%s) failed", lane.slot)
+            self._restart_failed(lane, target)
+            return True
+        with self._cond:
+            lane.epoch = target
+            lane.stalled_since = self._clock()
+            lane.next_silence = None
+        return True
+
+    @staticmethod
+    def _prepare_piece(engine: Engine, job: _Job, spec: SessionSpec) -> Any:
+        """The next piece of ``job``'s preparation of ``spec``: its result once the last piece
+        ran, else ``_UNFINISHED``; raises what preparing raised."""
+        if job.pieces is None:
+            job.pieces = engine.prepare_in_pieces(spec)
+        try:
+            next(job.pieces)
+        except StopIteration as done:
+            return done.value
+        return _UNFINISHED
+
+    def _restart_failed(self, lane: _Lane, target: int | None = None) -> None:
+        with self._cond:
+            lane.restart_queued = False
+            target = lane.want_epoch if target is None else target
+        self._hand_back([FrameFailure(lane.key, target, "restart of the model context failed", fatal=True)])

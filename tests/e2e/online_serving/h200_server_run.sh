@@ -13,7 +13,10 @@
 # and the busiest threads every 20 s (top-threads.txt); per server, POLICY-server.tgz: its log
 # and start-up time (startup.txt).  Settings: WORKERS (front-end workers, default 4),
 # ENGINE_HOST (process | thread: the old one-process layout), MAX_SESSIONS (default: the
-# largest load), SPREAD_MS (default 80), WAV (default tests/data/input_assistant.wav), and for a
+# largest load), SPREAD_MS (default 80), WAV (default tests/data/input_assistant.wav), JOINER
+# (EVERY_S:CHARS: during each load, a session joins every EVERY_S seconds with a new persona of
+# CHARS characters and leaves once open, tests/e2e/online_serving/joiner.py; its open times go
+# in joiner.json; give MAX_SESSIONS one more than the load), and for a
 # dry run on CPU CHECKPOINT (a directory), DEVICES (cpu), KV_CACHE (auto); wheels the machine
 # lacks go in .whl/.
 set -uo pipefail
@@ -73,6 +76,16 @@ for load in "$@"; do
     (top -b -H -d 20 -w 250 -o %CPU | awk '/^top -/{n=0} {if (n++ < 27) print}' > "$dir/top-threads.txt" 2>&1) &
     topper=$!
     tail_s=$(python3 -c "print(max(2.0, $frames * 0.08 - 38.0))")
+    joiner=""
+    if [ -n "${JOINER:-}" ]; then
+        IFS=: read -r join_every join_chars <<< "$JOINER"
+        # From when the sessions have opened (about 20 s at 128) to before the windows end.
+        ( sleep 25; python3 -m tests.e2e.online_serving.joiner --url "ws://127.0.0.1:8000/v1/realtime?duplex=1" \
+            --every-s "$join_every" --persona-chars "$join_chars" --first-index $((RANDOM * 1000)) \
+            --duration-s "$(python3 -c "print(max(5.0, $frames * 0.08 - 20.0))")" \
+            --output "$dir/joiner.json" > "$dir/joiner.txt" 2>&1 ) &
+        joiner=$!
+    fi
     python3 -m orchestrator.load_driver --model "$model" --input-wav "$wav" --sessions "$sessions" \
         --protocol "$protocol" \
         --processes "$processes" --load-frames "$frames" --tail-s "$tail_s" --plot --progress-s 30 \
@@ -80,6 +93,7 @@ for load in "$@"; do
         --server-hardware "$gpu, policy $policy, engine $engine_host, $workers worker(s)" \
         --output-dir "$dir/result" > "$dir/summary.txt" 2> "$dir/driver.log"
     echo "$run: driver exit $?"
+    [ -n "$joiner" ] && { wait $joiner; cat "$dir/joiner.txt"; }
     kill $dmon; pkill -P $topper; kill $topper 2>/dev/null
     { echo "# /metrics after the load"; curl -s 127.0.0.1:8000/metrics; } >> "$dir/metrics.txt"
     python3 -m orchestrator.load_driver.reread --json "$dir/result/load-result.json" > "$dir/sessions.json"
