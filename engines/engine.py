@@ -26,7 +26,8 @@ from .interface import EngineInfo, FrameOutput, NoFreeSlot, Pieces, SessionSpec,
 from .lm import MoshiLM
 from .mimi import MimiCodec
 from .modules.kv_ring import SlotKVRing, WindowMode
-from .prefill import PREFILL_CHUNK, Prefill, PrefillCache, plan_prompt, prefill_pieces, prompt_frames, voice_replay_frame
+from .prefill import (PREFILL_CHUNK, Prefill, PrefillCache, plan_prompt, prefill_pieces, prompt_frames, prompt_pass,
+                      voice_replay_frame)
 from .profiling import StageClock
 from .sampling import STATIC_TOP_K, SamplingBatch, exponential_noise, sample_tokens, stream_salt
 from .token_state import TokenState
@@ -278,11 +279,18 @@ class PersonaPlexEngine:
 
     def capture_graphs(self) -> None:
         """Capture the tick graph of every batch bucket and the prefill graph of every prompt
-        bucket now (start-up), not on first use."""
+        bucket, and warm the split prefill's pieces, now (start-up), not on first use."""
         if self.graphs is not None:
             self.graphs.capture_all()
         if self.prefill_graphs is not None:
             self.prefill_graphs.capture_all()
+        if self.device.type == "cuda":
+            # A split prefill's pieces run eagerly: the first would compile the layer halves
+            # for its shape and pick its kernels (6.8 s on the H200 with live sessions
+            # waiting).  Run one long enough to wrap its cache now.
+            chunk = self.options.prefill_chunk
+            x = torch.zeros(self.kv.capacity + 2 * chunk, self.cfg.dim, device=self.device, dtype=self.lm.dtype)
+            to_completion(prompt_pass(self.lm, x, self.options.window, self.kv.capacity, chunk))
 
     def free_slots(self) -> int:
         return len(self._free)

@@ -214,36 +214,57 @@ def build_prefill(
 def prefill_pieces(lm: MoshiLM, voice: VoicePrompt | None, plan: PromptPlan, window: str, capacity: int,
                    chunk: int | None = None, graphs=None) -> Generator[None, None, Prefill]:
     """The device part of a prefill, one piece per ``next()``; the generator returns the
-    ``Prefill``.
-
-    A piece is ``chunk`` prompt positions of the causal pass (all of them when ``chunk`` is
-    None); the first piece also embeds the prompt.  The pass keeps its state in its own
-    ``PromptKV``, so between pieces the caller may run live ticks on ``lm``: that is how a
-    long prompt joins without pausing live sessions.  A prompt of at most ``chunk`` positions
-    is replayed from ``graphs`` (an ``engines.gpu.prefill_graphs.PrefillGraphs``) when one of
-    its buckets holds it.  Chunked or not, each query sees the keys one pass would show it.
-    """
+    ``Prefill``.  The first piece embeds the prompt and runs its first ``prompt_pass``
+    piece; a prompt of at most ``chunk`` positions is replayed from ``graphs`` (an
+    ``engines.gpu.prefill_graphs.PrefillGraphs``) when one of its buckets holds it."""
     with torch.inference_mode():
         x = prompt_embeddings(lm, voice, plan)
         total = x.shape[0]
-        chunk = total if chunk is None else chunk
-        replayed = graphs.run(x) if graphs is not None and total <= chunk else None
+        replayed = graphs.run(x) if graphs is not None and total <= (chunk or total) else None
     if replayed is not None:
         keys, values = replayed
         return Prefill(keys, values, 0, plan.token_cache, plan.token_provided, plan.offset)
+    keys, values, first = yield from prompt_pass(lm, x, window, capacity, chunk)
+    return Prefill(keys, values, first, plan.token_cache, plan.token_provided, plan.offset)
+
+
+def prompt_pass(lm: MoshiLM, x: torch.Tensor, window: str, capacity: int,
+                chunk: int | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, int]]:
+    """The causal pass over prompt embeddings ``x`` [n, D] from an empty cache, ``chunk``
+    positions per ``next()`` (all of them when None); returns the keys and values
+    [layers, H, m, Dh] of the last m = min(n, ``capacity``) positions, and the first one's
+    position.
+
+    The pass keeps its state in its own ``PromptKV``, so between pieces the caller may run
+    live ticks on ``lm``: that is how a long prompt joins without pausing live sessions.
+    Chunked or not, each query sees the keys one pass would show it.  A split prompt's last
+    piece is padded to ``chunk`` (the padding comes after every real position, so causality
+    keeps it out of them): every piece then has one shape and a fresh, offset-free input,
+    which is what the compiled layer halves were warmed up on (another shape or a view into
+    a longer tensor would compile again, seconds on the engine thread: measured on the
+    H200).
+    """
+    total = x.shape[0]
+    if chunk is None or chunk >= total:
+        chunk, padded = total, total
+    else:
+        padded = -(-total // chunk) * chunk
     cfg = lm.cfg
-    kv = PromptKV(cfg.num_layers, cfg.num_heads, cfg.head_dim, window=capacity, prompt=total, chunk=chunk,
-                  device=lm.device, dtype=lm.dtype)
-    sequence = torch.zeros(1, dtype=torch.long, device=lm.device)
+    with torch.inference_mode():
+        kv = PromptKV(cfg.num_layers, cfg.num_heads, cfg.head_dim, window=capacity, prompt=padded, chunk=chunk,
+                      device=lm.device, dtype=lm.dtype)
+        sequence = torch.zeros(1, dtype=torch.long, device=lm.device)
     for start in range(0, total, chunk):
         if start:
             yield  # outside inference mode: the caller's code runs in its own mode
         with torch.inference_mode():
-            lm.temporal(sequence, x[None, start : start + chunk], kv, window)
+            piece = x.new_zeros(1, chunk, x.shape[1])
+            piece[0, : min(chunk, total - start)] = x[start : start + chunk]
+            lm.temporal(sequence, piece, kv, window)
     first = max(0, total - capacity)
     with torch.inference_mode():
         keys, values = kv.export(first, total)
-    return Prefill(keys, values, first, plan.token_cache, plan.token_provided, plan.offset)
+    return keys, values, first
 
 
 class PrefillCache:

@@ -355,6 +355,7 @@ class FakeScheduler:
         self.busy = None
         self.failed_ticks_in_row = 0
         self.info = None
+        self.slots_taken = 0  # the engine's own count, which admission never goes below
 
 
 def make_pool(states: list[str], free: list[int], capacity: int = 2) -> EnginePool:

@@ -61,7 +61,8 @@ def summarize(lags_ms: dict[str, list[float]], gaps_ms: dict[str, list[float]], 
 
 def time_pieces(engine, spec, torch) -> dict:
     """Wall time of each piece of a cold prefill of ``spec`` on the idle engine (synchronised),
-    and of the same prefill in one piece."""
+    in pieces of the engine's size and of others (the first runs of a new size may compile),
+    and in one piece."""
     from engines.prefill import plan_prompt, prefill_pieces
 
     def sync() -> None:
@@ -87,11 +88,14 @@ def time_pieces(engine, spec, torch) -> dict:
     plan = plan_prompt(engine.cfg, voice, persona)
     options = engine.options
     out = {}
-    for label, chunk in (("pieces", options.prefill_chunk), ("one_pass", None)):
+    chunks = [("pieces", options.prefill_chunk)] + [(f"pieces_of_{c}", c) for c in (128, 512)
+                                                    if c != options.prefill_chunk] + [("one_pass", None)]
+    for label, chunk in chunks:
         runs = [timed(prefill_pieces(engine.lm, voice, plan, options.window, engine.kv.capacity, chunk,
                                      engine.prefill_graphs)) for _ in range(3)]
         last = runs[-1]  # the first runs pay allocator warm-up
         out[label] = {"pieces": len(last), "piece_ms_max": max(last), "piece_ms_p50": percentile(last, 50),
+                      "first_run_total_ms": sum(runs[0]),
                       "first_piece_ms": last[0], "total_ms": sum(last)}
     out["persona_tokens"] = len(persona)
     out["positions"] = voice.frames + len(plan.inputs) if voice is not None else len(plan.inputs)
