@@ -285,9 +285,10 @@ class PersonaPlexEngine:
         if self.prefill_graphs is not None:
             self.prefill_graphs.capture_all()
         if self.device.type == "cuda":
-            # A split prefill's pieces run eagerly: the first would compile the layer halves
-            # for its shape and pick its kernels (6.8 s on the H200 with live sessions
-            # waiting).  Run one long enough to wrap its cache now.
+            # A split prefill runs eagerly when another one holds the piece graph: its first
+            # pieces would compile the layer halves for their shape and plan their kernels
+            # (6.8 s on the H200 with live sessions waiting).  Run one long enough to wrap
+            # its cache now.
             chunk = self.options.prefill_chunk
             x = torch.zeros(self.kv.capacity + 2 * chunk, self.cfg.dim, device=self.device, dtype=self.lm.dtype)
             to_completion(prompt_pass(self.lm, x, self.options.window, self.kv.capacity, chunk))

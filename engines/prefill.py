@@ -214,57 +214,68 @@ def build_prefill(
 def prefill_pieces(lm: MoshiLM, voice: VoicePrompt | None, plan: PromptPlan, window: str, capacity: int,
                    chunk: int | None = None, graphs=None) -> Generator[None, None, Prefill]:
     """The device part of a prefill, one piece per ``next()``; the generator returns the
-    ``Prefill``.  The first piece embeds the prompt and runs its first ``prompt_pass``
-    piece; a prompt of at most ``chunk`` positions is replayed from ``graphs`` (an
-    ``engines.gpu.prefill_graphs.PrefillGraphs``) when one of its buckets holds it."""
+    ``Prefill``.  The first piece embeds the prompt and runs the first piece of
+    ``prompt_pass`` (``graphs``: an ``engines.gpu.prefill_graphs.PrefillGraphs``)."""
     with torch.inference_mode():
         x = prompt_embeddings(lm, voice, plan)
-        total = x.shape[0]
-        replayed = graphs.run(x) if graphs is not None and total <= (chunk or total) else None
-    if replayed is not None:
-        keys, values = replayed
-        return Prefill(keys, values, 0, plan.token_cache, plan.token_provided, plan.offset)
-    keys, values, first = yield from prompt_pass(lm, x, window, capacity, chunk)
+    keys, values, first = yield from prompt_pass(lm, x, window, capacity, chunk, graphs)
     return Prefill(keys, values, first, plan.token_cache, plan.token_provided, plan.offset)
 
 
-def prompt_pass(lm: MoshiLM, x: torch.Tensor, window: str, capacity: int,
-                chunk: int | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, int]]:
+def prompt_pass(lm: MoshiLM, x: torch.Tensor, window: str, capacity: int, chunk: int | None = None,
+                graphs=None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, int]]:
     """The causal pass over prompt embeddings ``x`` [n, D] from an empty cache, ``chunk``
     positions per ``next()`` (all of them when None); returns the keys and values
     [layers, H, m, Dh] of the last m = min(n, ``capacity``) positions, and the first one's
     position.
 
-    The pass keeps its state in its own ``PromptKV``, so between pieces the caller may run
-    live ticks on ``lm``: that is how a long prompt joins without pausing live sessions.
+    The pass keeps its state in a ``PromptKV`` of its own, so between pieces the caller may
+    run live ticks on ``lm``: that is how a long prompt joins without pausing live sessions.
     Chunked or not, each query sees the keys one pass would show it.  A split prompt's last
     piece is padded to ``chunk`` (the padding comes after every real position, so causality
-    keeps it out of them): every piece then has one shape and a fresh, offset-free input,
-    which is what the compiled layer halves were warmed up on (another shape or a view into
-    a longer tensor would compile again, seconds on the engine thread: measured on the
-    H200).
+    keeps it out of them): every piece has one shape.  With ``graphs``, a prompt of one piece
+    is replayed from its bucket's graph, and a split one from the piece graph when no other
+    pass holds it (it has one cache); eagerly otherwise.  Eager pieces are bound by launching
+    their ~1,500 kernels (~45 ms at the 7B shapes, measured), replayed ones by the GPU.
     """
     total = x.shape[0]
     if chunk is None or chunk >= total:
+        with torch.inference_mode():
+            replayed = graphs.run(x) if graphs is not None else None
+        if replayed is not None:  # a bucket may be longer than the window: keep its newest positions
+            keys, values = replayed
+            first = max(0, total - capacity)
+            return keys[:, :, first:].contiguous(), values[:, :, first:].contiguous(), first
         chunk, padded = total, total
     else:
         padded = -(-total // chunk) * chunk
     cfg = lm.cfg
-    with torch.inference_mode():
-        kv = PromptKV(cfg.num_layers, cfg.num_heads, cfg.head_dim, window=capacity, prompt=padded, chunk=chunk,
-                      device=lm.device, dtype=lm.dtype)
-        sequence = torch.zeros(1, dtype=torch.long, device=lm.device)
-    for start in range(0, total, chunk):
-        if start:
-            yield  # outside inference mode: the caller's code runs in its own mode
+    pieces = graphs.claim_pieces(chunk) if graphs is not None and padded > chunk else None
+    try:
         with torch.inference_mode():
-            piece = x.new_zeros(1, chunk, x.shape[1])
-            piece[0, : min(chunk, total - start)] = x[start : start + chunk]
-            lm.temporal(sequence, piece, kv, window)
-    first = max(0, total - capacity)
-    with torch.inference_mode():
-        keys, values = kv.export(first, total)
-    return keys, values, first
+            if pieces is not None:
+                kv, run = pieces.kv, pieces.run
+            else:
+                kv = PromptKV(cfg.num_layers, cfg.num_heads, cfg.head_dim, window=capacity,
+                              size=PromptKV.size_for(capacity, padded, chunk), device=lm.device, dtype=lm.dtype)
+                sequence = torch.zeros(1, dtype=torch.long, device=lm.device)
+
+                def run(piece: torch.Tensor) -> None:
+                    lm.temporal(sequence, piece, kv, window)
+        for start in range(0, total, chunk):
+            if start:
+                yield  # outside inference mode: the caller's code runs in its own mode
+            with torch.inference_mode():
+                piece = x.new_zeros(1, chunk, x.shape[1])
+                piece[0, : min(chunk, total - start)] = x[start : start + chunk]
+                run(piece)
+        first = max(0, total - capacity)
+        with torch.inference_mode():
+            keys, values = kv.export(first, total)
+        return keys, values, first
+    finally:
+        if pieces is not None:
+            graphs.release_pieces(pieces)
 
 
 class PrefillCache:

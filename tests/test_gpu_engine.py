@@ -112,7 +112,9 @@ def test_float32_fast_path_variants_against_cpu(tiny_checkpoint, frames, no_tf32
 def test_prefill_graph_replay_equals_the_eager_pass(tiny_checkpoint, no_tf32):
     """A prompt padded to a bucket and replayed from a CUDA graph gives the keys/values of
     the unpadded eager pass (causal pass from an empty cache: padding never leaks back),
-    also for a bucket longer than the session window (the window is a mask, not a wrap)."""
+    also for a bucket longer than the session window (the window is a mask, not a wrap).
+    A split prompt's pieces replayed from the piece graph give the one pass's keys too, and a
+    second split pass while the first holds that graph runs eagerly to the same result."""
     from engines.gpu.prefill_graphs import PrefillGraphs
     from engines.interface import to_completion
     from engines.prefill import plan_prompt, prefill_pieces
@@ -122,17 +124,31 @@ def test_prefill_graph_replay_equals_the_eager_pass(tiny_checkpoint, no_tf32):
     cfg = engine.cfg
     window = engine.options.window
     graphs = PrefillGraphs(engine.lm, window, cfg.context, chunk=64, buckets=(16, 64, 128))
-    assert graphs.buckets == (16, 64)  # only prompts of one piece are replayed
+    assert graphs.buckets == (16, 64)  # only prompts of one piece are replayed whole
+
+    def close(a, b) -> bool:
+        return (a.start, a.positions) == (b.start, b.positions) and torch.allclose(a.keys, b.keys, atol=1e-5) \
+            and torch.allclose(a.values, b.values, atol=1e-5)
+
     # 14, 26 and 50 positions: buckets 16 and 64 (twice the 32-position window).
     for persona in ([5, 9, 200], list(range(40, 55)), list(range(40, 79))):
         plan = plan_prompt(cfg, None, persona)
         eager = to_completion(prefill_pieces(engine.lm, None, plan, window, cfg.context))
         replay = to_completion(prefill_pieces(engine.lm, None, plan, window, cfg.context, 64, graphs))
-        assert replay.start == eager.start and replay.keys.shape == eager.keys.shape
-        assert torch.allclose(replay.keys, eager.keys, atol=1e-5) and torch.allclose(replay.values, eager.values, atol=1e-5)
+        assert close(replay, eager)
     assert sorted(graphs._graphs) == [16, 64]
-    # Longer than every bucket: no graph, the caller runs the eager pass.
-    assert graphs.run(torch.zeros(65, cfg.dim, device="cuda")) is None
+    assert graphs.run(torch.zeros(65, cfg.dim, device="cuda")) is None  # longer than every bucket
+    # 200 positions: four pieces of 64, the last padded; the piece cache (95) wraps.
+    plan = plan_prompt(cfg, None, list(range(40, 228)))
+    one_pass = to_completion(prefill_pieces(engine.lm, None, plan, window, cfg.context))
+    holder = prefill_pieces(engine.lm, None, plan, window, cfg.context, 64, graphs)
+    next(holder)  # holds the piece graph
+    assert graphs._pieces_claimed
+    eager_pieces = to_completion(prefill_pieces(engine.lm, None, plan, window, cfg.context, 64, graphs))
+    assert close(eager_pieces, one_pass)
+    assert close(to_completion(holder), one_pass)
+    assert not graphs._pieces_claimed
+    assert close(to_completion(prefill_pieces(engine.lm, None, plan, window, cfg.context, 64, graphs)), one_pass)
 
 
 def test_capture_graphs_captures_every_bucket_up_front(tiny_checkpoint):

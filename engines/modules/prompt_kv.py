@@ -10,9 +10,11 @@ or the whole prompt when that is shorter), kept in the compute dtype even when t
 cache stores fp8, so a chunked pass computes what the one pass computes.
 
 It offers what ``MoshiLM.temporal`` uses of a cache (``capacity``, ``positions``, ``attend``,
-``advance``) for a single sequence; ``capacity`` is the session window, which is what decides
-the keys a query may see.  Positions and sizes are Python integers, so a pass over it can be
-captured in a CUDA graph (``engines.gpu.prefill_graphs``).
+``advance``) for a single sequence; ``capacity`` is the session window, which decides the
+keys a query may see.  The next position is a device tensor and attention always spans the
+whole ring (entries not holding a visible position are masked), so a piece has the same
+shapes whatever its place in the prompt: one CUDA graph replays every piece
+(``engines.gpu.prefill_graphs``).
 """
 
 from __future__ import annotations
@@ -22,57 +24,59 @@ import torch.nn.functional as F
 
 
 class PromptKV:
-    def __init__(self, num_layers: int, num_heads: int, head_dim: int, *, window: int, prompt: int, chunk: int,
+    def __init__(self, num_layers: int, num_heads: int, head_dim: int, *, window: int, size: int,
                  device: torch.device | str, dtype: torch.dtype) -> None:
-        if window < 1 or prompt < 1 or chunk < 1:
-            raise ValueError(f"window, prompt and chunk must be >= 1, got {window}, {prompt}, {chunk}")
+        if window < 1 or size < 1:
+            raise ValueError(f"window and size must be >= 1, got {window}, {size}")
         self.capacity = window
-        # A chunk of ``chunk`` queries starting at s needs keys s - window + 1 .. s + chunk - 1.
-        self.size = min(prompt, window + chunk - 1)
-        shape = (num_layers, 1, num_heads, self.size, head_dim)
-        self.keys = torch.empty(shape, device=device, dtype=dtype)
-        self.values = torch.empty(shape, device=device, dtype=dtype)
+        self.size = size
+        shape = (num_layers, 1, num_heads, size, head_dim)
+        # Zeros, not empty: entries no query may see are masked, and a masked NaN would still
+        # poison the weighted sum of values.
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.device = torch.device(device)
-        self.written = 0  # positions stored so far (the next query's position)
+        self.start = torch.zeros(1, device=device, dtype=torch.long)  # the next position, on the device
+        self.written = 0  # the same, on the host (kept by whoever advances it outside a graph)
+        self._ring = torch.arange(size, device=device)
+
+    @staticmethod
+    def size_for(window: int, prompt: int, chunk: int) -> int:
+        """Ring positions a pass over ``prompt`` positions in pieces of ``chunk`` needs: a
+        piece starting at s reads keys s - window + 1 .. s + chunk - 1."""
+        return min(prompt, window + chunk - 1)
+
+    def reset(self) -> None:
+        self.start.zero_()
+        self.written = 0
 
     def positions(self, slots: torch.Tensor, steps: int) -> torch.Tensor:
         """Positions [1, steps] of the next ``steps`` queries (``slots`` is ignored: one sequence)."""
-        return torch.arange(self.written, self.written + steps, device=self.device).view(1, -1)
+        return (self.start + torch.arange(steps, device=self.device)).view(1, -1)
 
     def advance(self, slots: torch.Tensor, steps: int) -> None:
+        self.start += steps
         self.written += steps
 
     def attend(self, layer: int, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-        """Store ``k, v`` [1, H, T, D] of the next T positions, then attend with ``q`` over every
+        """Store ``k, v`` [1, H, T, D] at ``positions`` [1, T], then attend with ``q`` over every
         stored key from ``lo`` [1, T] (lowest visible position per query) to the query's own."""
         T = k.shape[2]
-        start, end = self.written, self.written + T
-        if T > self.size - min(self.capacity - 1, start):
-            raise ValueError(f"a call of {T} positions after {start} does not fit a prompt cache of {self.size}")
-        if end <= self.size:
-            self.keys[layer, 0, :, start:end] = k[0]
-            self.values[layer, 0, :, start:end] = v[0]
-        else:
-            index = torch.arange(start, end, device=self.device) % self.size
-            self.keys[layer, 0][:, index] = k[0]
-            self.values[layer, 0][:, index] = v[0]
-        first = max(0, start - self.capacity + 1)  # the lowest key any query of this call may see
-        if end <= self.size:  # not wrapped: the visible keys are one slice, in position order
-            keys, values = self.keys[layer, :, :, first:end], self.values[layer, :, :, first:end]
-            key_pos = torch.arange(first, end, device=self.device)
-        else:  # every entry holds one of the newest ``size`` positions: mask by position
-            keys, values = self.keys[layer], self.values[layer]
-            last = end - 1
-            key_pos = last - torch.remainder(last - torch.arange(self.size, device=self.device), self.size)
-        qp = positions.view(1, T, 1)
-        kp = key_pos.view(1, 1, -1)
-        mask = (kp <= qp) & (kp >= lo.reshape(1, -1, 1))
-        return F.scaled_dot_product_attention(q, keys, values, mask.unsqueeze(1))
+        if T > self.size - min(self.capacity - 1, self.written):
+            raise ValueError(f"a call of {T} positions after {self.written} does not fit a prompt cache of "
+                             f"{self.size}")
+        index = torch.remainder(positions[0], self.size)
+        self.keys[layer, 0].index_copy_(1, index, k[0])
+        self.values[layer, 0].index_copy_(1, index, v[0])
+        last = positions[0, -1:]
+        key_pos = (last - torch.remainder(last - self._ring, self.size)).view(1, 1, -1)  # -ve: never written
+        mask = (key_pos >= 0) & (key_pos <= positions.view(1, T, 1)) & (key_pos >= lo.reshape(1, -1, 1))
+        return F.scaled_dot_product_attention(q, self.keys[layer], self.values[layer], mask.unsqueeze(1))
 
     def export(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [layers, H, end-start, D] of positions ``start..end-1`` (still held)."""
         if not (max(0, self.written - self.size) <= start <= end <= self.written):
             raise ValueError(f"positions {start}..{end} are not held (written {self.written}, size {self.size})")
-        index = torch.arange(start, end, device=self.device) % self.size
+        index = torch.remainder(torch.arange(start, end, device=self.device), self.size)
         return self.keys[:, 0][:, :, index], self.values[:, 0][:, :, index]
