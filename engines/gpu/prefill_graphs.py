@@ -94,7 +94,8 @@ class PrefillGraphs:
         if self._pieces is None:
             self._pieces = self._capture(self.chunk, self.capacity + self.chunk - 1)
         self._pieces_claimed = True
-        self._pieces.kv.reset()
+        with torch.inference_mode():  # its tensors were made in inference mode
+            self._pieces.kv.reset()
         return self._pieces
 
     def release_pieces(self, pieces: _PassGraph) -> None:

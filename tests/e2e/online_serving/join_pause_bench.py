@@ -145,9 +145,18 @@ def main() -> int:
         now = time.monotonic()
         handed.extend((now, r) for r in results)
 
+    metrics = Metrics()
+    jobs: list[tuple[float, str, float]] = []  # (when, kind, seconds) of each engine job piece
+    if hasattr(metrics, "observe_engine_job"):  # trees before the split prefill have no such record
+        record = metrics.observe_engine_job
+
+        def observe_engine_job(kind: str, seconds: float) -> None:
+            jobs.append((time.monotonic(), kind, seconds))
+            record(kind, seconds)
+        metrics.observe_engine_job = observe_engine_job
     t_load = time.monotonic()
     scheduler = TickScheduler(factory, policy=Settings().tick_policy_object(), silence_grace_s=0.0,
-                              warmup_frames=8, metrics=Metrics())
+                              warmup_frames=8, metrics=metrics)
     scheduler.start(hand_back)
     if not scheduler.ready.wait(900) or scheduler.load_error is not None:
         print(f"engine failed to load: {scheduler.load_error}", file=sys.stderr)
@@ -242,6 +251,10 @@ def main() -> int:
         "join_open_s_p50": percentile([j["open_s"] for j in joins], 50),
         "join_open_s_max": max((j["open_s"] for j in joins), default=None),
         "phases": report_phases,
+        "engine_jobs_ms_max": {kind: max((s * 1e3 for at, k, s in jobs if k == kind and at >= join_start), default=None)
+                               for kind in ("open", "restart", "close")},
+        "engine_jobs_over_20ms": [(round(at - t0, 2), kind, round(s * 1e3, 1)) for at, kind, s in jobs
+                                  if at >= t0 and s > 0.02],
         "prefill_pieces": pieces,
     }
     print(f"\n== {args.label} ({report['gpu']}, {args.lanes} lanes, {len(joins)} joins of "
@@ -254,6 +267,8 @@ def main() -> int:
               f"{p['longest_output_gap_ms'] or 0:12.1f} {p['longest_tick_interval_ms'] or 0:22.1f}")
     if joins:
         print(f"join open time p50 {report['join_open_s_p50']:.2f} s, max {report['join_open_s_max']:.2f} s")
+    print(f"engine job pieces during the joins, longest per kind (ms): {report['engine_jobs_ms_max']}; "
+          f"over 20 ms: {report['engine_jobs_over_20ms'][:20]}")
     if pieces:
         print(f"cold prefill of {pieces['positions']} positions on the idle engine: " + "; ".join(
             f"{label}: {v['pieces']} piece(s), longest {v['piece_ms_max']:.1f} ms, total {v['total_ms']:.1f} ms"
