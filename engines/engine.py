@@ -290,7 +290,10 @@ class PersonaPlexEngine:
             # (6.8 s on the H200 with live sessions waiting).  Run one long enough to wrap
             # its cache now.
             chunk = self.options.prefill_chunk
-            x = torch.zeros(self.kv.capacity + 2 * chunk, self.cfg.dim, device=self.device, dtype=self.lm.dtype)
+            length = self.kv.capacity + 2 * chunk
+            with torch.inference_mode():  # a long prompt's embedding too, in case its length compiles
+                tokens = torch.zeros(1, length, self.cfg.num_streams, device=self.device, dtype=torch.long)
+                x = self.lm.embed_tokens(tokens)[0]
             to_completion(prompt_pass(self.lm, x, self.options.window, self.kv.capacity, chunk))
 
     def free_slots(self) -> int:
