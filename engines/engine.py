@@ -46,6 +46,9 @@ class EngineOptions:
     # 16 reproduces the reference's full depformer for conformance checks.
     depformer_steps: int = 8
     prefill_cache_entries: int = 16
+    # ... and at most this many bytes of them (they live on the engine's device, in the
+    # headroom the server's admission leaves beside the sessions' windows).
+    prefill_cache_bytes: int = 2 << 30
     # On CUDA, live ticks replay CUDA graphs captured per batch bucket (padded with the
     # scratch slot); buckets above the slot count are dropped.
     cuda_graphs: bool = True
@@ -151,7 +154,7 @@ class PersonaPlexEngine:
                              device=self.device, dtype=lm.dtype, fp8=options.kv_cache == "fp8")
         self.tokens = TokenState(cfg, num_slots + 1, device=self.device)
         self.settings = _SlotSettings(num_slots + 1, self.device)
-        self.prefills = PrefillCache(options.prefill_cache_entries)
+        self.prefills = PrefillCache(options.prefill_cache_entries, options.prefill_cache_bytes)
         self._specs: dict[int, SessionSpec] = {}
         self._free = list(range(num_slots))
         self.clock = StageClock()  # per-stage timing for benchmarks (GPU only)

@@ -278,13 +278,31 @@ def prompt_pass(lm: MoshiLM, x: torch.Tensor, window: str, capacity: int, chunk:
             graphs.release_pieces(pieces)
 
 
-class PrefillCache:
-    """LRU of prefills keyed by (voice name, persona token ids); safe to share by threads."""
+def _nbytes(value) -> int:
+    """Bytes of the tensors a cached value holds (a ``Prefill``, or the TensorRT-LLM
+    backend's stored prompt)."""
+    return sum(t.numel() * t.element_size() for t in vars(value).values() if isinstance(t, torch.Tensor))
 
-    def __init__(self, max_entries: int = 16) -> None:
+
+class PrefillCache:
+    """LRU of prefills keyed by (voice name, persona token ids); safe to share by threads.
+
+    Bounded by entries and, given ``max_bytes``, by the bytes of their tensors: at the 7B
+    shapes one prefill holds 0.5 MB per prompt position (up to 1.6 GB), all on the GPU
+    beside the sessions' windows, so sixteen long personas alone would take the headroom
+    the admission leaves.  A prefill larger than ``max_bytes`` is not kept.
+    """
+
+    def __init__(self, max_entries: int = 16, max_bytes: int | None = None) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple, Prefill] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
 
     def get(self, key: tuple) -> Prefill | None:
         with self._lock:
@@ -294,11 +312,19 @@ class PrefillCache:
             return value
 
     def put(self, key: tuple, value: Prefill) -> None:
+        size = _nbytes(value)
         with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= _nbytes(old)
+            if self.max_bytes is not None and size > self.max_bytes:
+                return
             self._entries[key] = value
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            self._bytes += size
+            while len(self._entries) > self.max_entries or (self.max_bytes is not None
+                                                            and self._bytes > self.max_bytes):
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= _nbytes(evicted)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -241,3 +241,28 @@ def test_sixteen_step_depformer_gives_the_same_agent_audio(tiny_checkpoint, spee
         results.append(run(eng, [eng.open_slot(SessionSpec(sampling=GREEDY))], frames)[0])
     assert results[0][0] == results[1][0]
     assert np.allclose(results[0][1], results[1][1], atol=1e-5)
+
+
+def test_the_prefill_cache_is_bounded_by_bytes_too():
+    """Cached prefills live on the engine's device: beside the entry count, their bytes are
+    bounded (least recently used first out), and one larger than the bound is not kept."""
+    from engines.prefill import Prefill, PrefillCache
+
+    def prefill(positions: int) -> Prefill:
+        kv = torch.zeros(1, 1, positions, 4)
+        return Prefill(kv, kv.clone(), 0, torch.zeros(17, 4, dtype=torch.long), torch.zeros(17, 4, dtype=torch.bool),
+                       positions + 1)
+
+    small = 2 * 10 * 4 * 4 + 17 * 4 * 8 + 17 * 4  # keys + values + token ring + provided flags
+    cache = PrefillCache(max_entries=16, max_bytes=3 * small)
+    for name in "abc":
+        cache.put(name, prefill(10))
+    assert len(cache) == 3 and cache.nbytes == 3 * small
+    assert cache.get("a") is not None  # now the most recently used
+    cache.put("d", prefill(10))
+    assert cache.get("b") is None and cache.get("a") is not None and len(cache) == 3
+    cache.put("a", prefill(10))  # replaced, not counted twice
+    assert cache.nbytes == 3 * small
+    cache.put("huge", prefill(1000))
+    assert cache.get("huge") is None and cache.nbytes == 3 * small
+    assert PrefillCache(max_entries=2).nbytes == 0

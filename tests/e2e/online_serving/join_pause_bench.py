@@ -191,10 +191,23 @@ def main() -> int:
                 scheduler.push(k, 0, frame)
 
     joins: list[dict] = []
+    memory: dict[str, dict] = {}
+
+    def memory_now() -> dict:
+        """What the caching allocator did: a retry means it had to free cached blocks (a device
+        synchronisation, hundreds of ms with live sessions waiting) to find memory."""
+        if not torch.cuda.is_available():
+            return {}
+        stats = torch.cuda.memory_stats()
+        return {"alloc_retries": stats.get("num_alloc_retries", 0), "device_allocs": stats.get("num_device_alloc", 0),
+                "device_frees": stats.get("num_device_free", 0), "reserved_gb": torch.cuda.memory_reserved() / 1e9,
+                "max_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
+                "prefill_cache_gb": getattr(engine.prefills, "nbytes", 0) / 1e9, "prefill_cache_entries": len(engine.prefills)}
 
     def join() -> None:
         index = 0
         time.sleep(max(0.0, join_start - time.monotonic()))
+        memory["before_joins"] = memory_now()
         while time.monotonic() < join_start + args.join_s - 2.0:
             spec = SessionSpec(persona=persona_text(index, args.persona_chars))
             started = time.monotonic()
@@ -204,6 +217,7 @@ def main() -> int:
             joins.append({"open_s": opened - started, "slot": slot, "start": started - t0})
             index += 1
             time.sleep(max(0.0, args.join_every_s - (time.monotonic() - started)))
+        memory["after_joins"] = memory_now()
 
     feeder = threading.Thread(target=feed, daemon=True)
     joiner = threading.Thread(target=join, daemon=True)
@@ -251,6 +265,7 @@ def main() -> int:
         "join_open_s_p50": percentile([j["open_s"] for j in joins], 50),
         "join_open_s_max": max((j["open_s"] for j in joins), default=None),
         "phases": report_phases,
+        "memory": memory,
         "engine_jobs_ms_max": {kind: max((s * 1e3 for at, k, s in jobs if k == kind and at >= join_start), default=None)
                                for kind in ("open", "restart", "close")},
         "engine_jobs_over_20ms": [(round(at - t0, 2), kind, round(s * 1e3, 1)) for at, kind, s in jobs
@@ -267,6 +282,7 @@ def main() -> int:
               f"{p['longest_output_gap_ms'] or 0:12.1f} {p['longest_tick_interval_ms'] or 0:22.1f}")
     if joins:
         print(f"join open time p50 {report['join_open_s_p50']:.2f} s, max {report['join_open_s_max']:.2f} s")
+    print(f"GPU memory before / after the joins: {memory}")
     print(f"engine job pieces during the joins, longest per kind (ms): {report['engine_jobs_ms_max']}; "
           f"over 20 ms: {report['engine_jobs_over_20ms'][:20]}")
     if pieces:
