@@ -533,6 +533,7 @@ class TickScheduler:
                 for job in [job for job in self._jobs if job.kind == "open" and job.key == key]:
                     self._jobs.remove(job)
                     job.future.cancel()
+                    self._drop(job)
         error = None
         try:
             if lane is not None:
@@ -573,6 +574,7 @@ class TickScheduler:
         with self._cond:
             lane = self._lanes.get(job.key)
             if lane is None or lane.closing:
+                self._drop(job)
                 return True
         try:
             prefill = self._prepare_piece(engine, job, lane.spec)
@@ -598,6 +600,13 @@ class TickScheduler:
             lane.stalled_since = self._clock()
             lane.next_silence = None
         return True
+
+    @staticmethod
+    def _drop(job: _Job) -> None:
+        """Stop ``job``'s preparation now: what it holds (a device cache, the engine's piece
+        graph) is given back at once, not whenever the generator is collected."""
+        if job.pieces is not None:
+            job.pieces.close()
 
     @staticmethod
     def _prepare_piece(engine: Engine, job: _Job, spec: SessionSpec) -> Any:
