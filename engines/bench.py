@@ -200,7 +200,7 @@ def fp8_attention_error(batch: int = 8, heads: int = 32, capacity: int = 3000, h
     """Decode attention over a full 7B-shaped window: the fp8 cache against bf16, on random
     activations with per-head magnitudes spread over two decades (as real K/V have)."""
     from .gpu.attention import decode_attention
-    from .modules.kv_ring import quantize_fp8
+    from .modules.fp8 import quantize_fp8
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     spread = torch.logspace(-1, 1, heads, device="cuda").view(1, heads, 1, 1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Generator, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -179,14 +179,24 @@ def plan_prompt(cfg: LMConfig, voice: VoicePrompt | None, persona_tokens: Sequen
     return PromptPlan(rows, tail.token_cache, tail.token_provided, tail.offset)
 
 
-def prompt_embeddings(lm: MoshiLM, voice: VoicePrompt | None, plan: PromptPlan) -> torch.Tensor:
-    """The prompt's input embeddings [N, D] on ``lm``'s device and dtype: the voice's stored
-    embeddings replayed as they are, then the embedded token rows of the plan."""
+def _voice_rows(voice: VoicePrompt | None) -> int:
+    """Prompt positions of the voice's replayed embeddings (its first frame is no model call)."""
+    return voice.embeddings.shape[0] if voice is not None else 0
+
+
+def prompt_embeddings(lm: MoshiLM, voice: VoicePrompt | None, plan: PromptPlan, start: int = 0,
+                      end: int | None = None) -> torch.Tensor:
+    """The prompt's input embeddings [end - start, D] (all positions by default) on ``lm``'s
+    device and dtype: the voice's stored embeddings replayed as they are, then the embedded
+    token rows of the plan."""
+    replayed = _voice_rows(voice)
+    end = replayed + plan.inputs.shape[0] if end is None else end
     parts = []
-    if voice is not None:
-        parts.append(voice.embeddings.to(device=lm.device, dtype=lm.dtype))
-    if plan.inputs.shape[0]:
-        parts.append(lm.embed_tokens(plan.inputs.to(lm.device).unsqueeze(0))[0])
+    if voice is not None and start < replayed:
+        parts.append(voice.embeddings[start:end].to(device=lm.device, dtype=lm.dtype))
+    rows = plan.inputs[max(0, start - replayed) : max(0, end - replayed)]
+    if rows.shape[0]:
+        parts.append(lm.embed_tokens(rows.to(lm.device).unsqueeze(0))[0])
     return torch.cat(parts, dim=0)
 
 
@@ -214,20 +224,23 @@ def build_prefill(
 def prefill_pieces(lm: MoshiLM, voice: VoicePrompt | None, plan: PromptPlan, window: str, capacity: int,
                    chunk: int | None = None, graphs=None) -> Generator[None, None, Prefill]:
     """The device part of a prefill, one piece per ``next()``; the generator returns the
-    ``Prefill``.  The first piece embeds the prompt and runs the first piece of
-    ``prompt_pass`` (``graphs``: an ``engines.gpu.prefill_graphs.PrefillGraphs``)."""
-    with torch.inference_mode():
-        x = prompt_embeddings(lm, voice, plan)
-    keys, values, first = yield from prompt_pass(lm, x, window, capacity, chunk, graphs)
+    ``Prefill``.  Each piece embeds its own positions (``prompt_pass``; ``graphs``: an
+    ``engines.gpu.prefill_graphs.PrefillGraphs``)."""
+    total = _voice_rows(voice) + plan.inputs.shape[0]
+
+    def embed(start: int, end: int) -> torch.Tensor:
+        return prompt_embeddings(lm, voice, plan, start, end)
+
+    keys, values, first = yield from prompt_pass(lm, embed, total, window, capacity, chunk, graphs)
     return Prefill(keys, values, first, plan.token_cache, plan.token_provided, plan.offset)
 
 
-def prompt_pass(lm: MoshiLM, x: torch.Tensor, window: str, capacity: int, chunk: int | None = None,
-                graphs=None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, int]]:
-    """The causal pass over prompt embeddings ``x`` [n, D] from an empty cache, ``chunk``
-    positions per ``next()`` (all of them when None); returns the keys and values
-    [layers, H, m, Dh] of the last m = min(n, ``capacity``) positions, and the first one's
-    position.
+def prompt_pass(lm: MoshiLM, embed: Callable[[int, int], torch.Tensor], total: int, window: str, capacity: int,
+                chunk: int | None = None, graphs=None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, int]]:
+    """The causal pass over a prompt of ``total`` positions from an empty cache, ``chunk``
+    positions per ``next()`` (all of them when None), each piece taking its input embeddings
+    [n, D] from ``embed(start, end)``; returns the keys and values [layers, H, m, Dh] of the
+    last m = min(total, ``capacity``) positions, and the first one's position.
 
     The pass keeps its state in a ``PromptKV`` of its own, so between pieces the caller may
     run live ticks on ``lm``: that is how a long prompt joins without pausing live sessions.
@@ -238,9 +251,9 @@ def prompt_pass(lm: MoshiLM, x: torch.Tensor, window: str, capacity: int, chunk:
     pass holds it (it has one cache); eagerly otherwise.  Eager pieces are bound by launching
     their ~1,500 kernels (~45 ms at the 7B shapes, measured), replayed ones by the GPU.
     """
-    total = x.shape[0]
     if chunk is None or chunk >= total:
         with torch.inference_mode():
+            x = embed(0, total)
             replayed = graphs.run(x) if graphs is not None else None
         if replayed is not None:  # a bucket may be longer than the window: keep its newest positions
             keys, values = replayed
@@ -266,8 +279,9 @@ def prompt_pass(lm: MoshiLM, x: torch.Tensor, window: str, capacity: int, chunk:
             if start:
                 yield  # outside inference mode: the caller's code runs in its own mode
             with torch.inference_mode():
-                piece = x.new_zeros(1, chunk, x.shape[1])
-                piece[0, : min(chunk, total - start)] = x[start : start + chunk]
+                end = min(start + chunk, total)
+                piece = torch.zeros(1, chunk, cfg.dim, device=lm.device, dtype=lm.dtype)
+                piece[0, : end - start] = embed(start, end)
                 run(piece)
         first = max(0, total - capacity)
         with torch.inference_mode():

@@ -227,3 +227,31 @@ def test_error_replies_and_logs_quote_client_values_briefly(server: Server):
     run(scenario())
     assert max(len(line) for line in server.logs().splitlines()) < 5000
 
+
+
+def test_a_very_long_persona_joins_without_pausing_a_live_session():
+    """A persona's prefill used to run in one go on the engine thread, pausing every live
+    session for the whole pass.  It now runs in pieces between ticks: with the persona limit
+    raised so that the tiny model's prefill is long too (200,000 characters, ~80,000 prompt
+    positions; in one piece such a pass takes over a minute here: 73 s for 50,000 positions,
+    measured), the witness's audio keeps its pace while the joiner is prepared (1.8 s, gaps
+    up to 0.13 s on the dev VM), and the joiner opens."""
+    server = Server(max_sessions=2, silence_grace_s=0, workers=1, max_instructions_chars=200_000)
+    try:
+        async def scenario():
+            async with StreamingWitness(server, max_gap_s=LONG_JOIN_MAX_GAP_S) as streaming:
+                joiner = await Client.connect(server.ws + "/v1/realtime?duplex=1")
+                started = time.monotonic()
+                await joiner.open(instructions="You are a patient and thorough teacher. " * 5000)
+                opened_s = time.monotonic() - started
+                await joiner.send({"type": "session.close"})
+                await joiner.wait_closed()
+            print(f"joined in {opened_s:.2f} s; the witness's longest gap {streaming.longest_gap_s(started):.3f} s")
+
+        run(scenario())
+    finally:
+        server.stop()
+    server.assert_clean_log()
+
+
+LONG_JOIN_MAX_GAP_S = 0.4

@@ -50,7 +50,7 @@ def main() -> None:
         values = torch.randn_like(keys)
         scales = None
         if args.fp8:
-            from ..modules.kv_ring import quantize_fp8
+            from ..modules.fp8 import quantize_fp8
 
             keys, k_scale = quantize_fp8(keys)
             values, v_scale = quantize_fp8(values)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..compiled import compile_dynamic
 from ..gpu import attention as gpu_attention
+from .fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
 
 class WindowMode:
@@ -57,23 +58,6 @@ def window_start(positions: torch.Tensor, call_end: torch.Tensor, capacity: int,
 # Streaming calls of up to this many tokens attend with the GPU decode kernel (one kernel
 # row per query); longer ones (prefill chunks) gather the window once instead.
 DECODE_MAX_TOKENS = 4
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [..., D] -> (float8 values [..., D], float32 scales [...]) with x ~= q * scale."""
-    xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-30)
-    # The clamp guards the rounding of amax / scale just above FP8_MAX (e4m3fn has no inf).
-    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale.unsqueeze(-1)).to(dtype)
-
 
 def kv_bytes_per_slot(num_layers: int, num_heads: int, capacity: int, head_dim: int,
                       dtype: torch.dtype, fp8: bool) -> int:
