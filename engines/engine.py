@@ -240,10 +240,11 @@ class PersonaPlexEngine:
         prefill = self.prefills.get(key)
         if prefill is None:
             voice = self.voice_store.load(spec.voice)
-            if len(persona) > self.options.prefill_chunk:
+            long_persona = len(persona) > self.options.prefill_chunk
+            if long_persona:
                 yield  # tokenizing a long persona is a piece of its own; planning it, another
             plan = plan_prompt(self.cfg, voice, persona)
-            if len(persona) > self.options.prefill_chunk:
+            if long_persona:
                 yield
             prefill = yield from prefill_pieces(self.lm, voice, plan, self.options.window, self.kv.capacity,
                                                 self.options.prefill_chunk, self.prefill_graphs)

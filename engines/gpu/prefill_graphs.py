@@ -67,8 +67,7 @@ class PrefillGraphs:
         for bucket in self.buckets:
             if bucket not in self._graphs:
                 self._graphs[bucket] = self._capture(bucket, bucket)
-        if self._pieces is None:
-            self._pieces = self._capture(self.chunk, self.capacity + self.chunk - 1)
+        self._piece_graph()
 
     def run(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys/values [layers, H, n, Dh] of prompt embeddings ``x`` [n, D] at positions
@@ -91,16 +90,22 @@ class PrefillGraphs:
         another pass holds it (or the pieces are of another length)."""
         if chunk != self.chunk or self._pieces_claimed:
             return None
-        if self._pieces is None:
-            self._pieces = self._capture(self.chunk, self.capacity + self.chunk - 1)
+        pieces = self._piece_graph()
         self._pieces_claimed = True
         with torch.inference_mode():  # its tensors were made in inference mode
-            self._pieces.kv.reset()
-        return self._pieces
+            pieces.kv.reset()
+        return pieces
 
     def release_pieces(self, pieces: _PassGraph) -> None:
         if pieces is self._pieces:
             self._pieces_claimed = False
+
+    def _piece_graph(self) -> _PassGraph:
+        """The graph of a split prompt's pieces (captured on first use), over a cache of
+        window + chunk - 1 positions: every piece fits it, however long the prompt."""
+        if self._pieces is None:
+            self._pieces = self._capture(self.chunk, self.capacity + self.chunk - 1)
+        return self._pieces
 
     def _pass(self, g: _PassGraph) -> None:
         self.lm.temporal(self._sequence, g.x, g.kv, self.window)

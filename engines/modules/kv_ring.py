@@ -59,6 +59,15 @@ def window_start(positions: torch.Tensor, call_end: torch.Tensor, capacity: int,
 # row per query); longer ones (prefill chunks) gather the window once instead.
 DECODE_MAX_TOKENS = 4
 
+def ring_positions(end: torch.Tensor, size: int) -> torch.Tensor:
+    """Position held at each index [B, size] of rings of ``size`` entries that have had
+    ``end`` [B] positions written in order (position p at index p % size); -1 where none."""
+    idx = torch.arange(size, device=end.device).view(1, -1)
+    last = end.view(-1, 1) - 1
+    pos = last - torch.remainder(last - idx, size)
+    return torch.where(pos >= 0, pos, torch.full_like(pos, -1))
+
+
 def kv_bytes_per_slot(num_layers: int, num_heads: int, capacity: int, head_dim: int,
                       dtype: torch.dtype, fp8: bool) -> int:
     """Device bytes one slot's keys + values (+ fp8 scales) take."""
@@ -114,13 +123,6 @@ class SlotKVRing:
     def advance(self, slots: torch.Tensor, steps: int) -> None:
         self.length[slots] += steps
 
-    def _ring_positions(self, end: torch.Tensor) -> torch.Tensor:
-        """Position held at each ring index for slots that have written ``end`` [B] tokens."""
-        idx = torch.arange(self.capacity, device=end.device).view(1, -1)
-        last = end.view(-1, 1) - 1
-        pos = last - torch.remainder(last - idx, self.capacity)
-        return torch.where(pos >= 0, pos, torch.full_like(pos, -1))
-
     def attend(
         self,
         layer: int,
@@ -156,12 +158,12 @@ class SlotKVRing:
             # Write first, then attend over the ring in ring order, as the reference does.
             self._store_newest(layer, slots, positions, k, v)
             keys, values = self._load(layer, slots)
-            key_pos = self._ring_positions(positions[:, -1] + 1)  # [B, C]
+            key_pos = ring_positions(positions[:, -1] + 1, C)  # [B, C]
         else:
             old_keys, old_values = self._load(layer, slots)
             keys = torch.cat([old_keys, k], dim=2)
             values = torch.cat([old_values, v], dim=2)
-            key_pos = torch.cat([self._ring_positions(positions[:, 0]), positions], dim=1)
+            key_pos = torch.cat([ring_positions(positions[:, 0], C), positions], dim=1)
             self._store_newest(layer, slots, positions, k, v)
         qp = positions.view(B, T, 1)
         kp = key_pos.view(B, 1, -1)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kv_ring import ring_positions
+
 
 class PromptKV:
     def __init__(self, num_layers: int, num_heads: int, head_dim: int, *, window: int, size: int,
@@ -38,7 +40,6 @@ class PromptKV:
         self.device = torch.device(device)
         self.start = torch.zeros(1, device=device, dtype=torch.long)  # the next position, on the device
         self.written = 0  # the same, on the host (kept by whoever advances it outside a graph)
-        self._ring = torch.arange(size, device=device)
 
     @staticmethod
     def size_for(window: int, prompt: int, chunk: int) -> int:
@@ -69,8 +70,7 @@ class PromptKV:
         index = torch.remainder(positions[0], self.size)
         self.keys[layer, 0].index_copy_(1, index, k[0])
         self.values[layer, 0].index_copy_(1, index, v[0])
-        last = positions[0, -1:]
-        key_pos = (last - torch.remainder(last - self._ring, self.size)).view(1, 1, -1)  # -ve: never written
+        key_pos = ring_positions(positions[0, -1:] + 1, self.size).view(1, 1, -1)  # -1: never written
         mask = (key_pos >= 0) & (key_pos <= positions.view(1, T, 1)) & (key_pos >= lo.reshape(1, -1, 1))
         return F.scaled_dot_product_attention(q, self.keys[layer], self.values[layer], mask.unsqueeze(1))
 

@@ -317,8 +317,9 @@ class TickScheduler:
                 self._after_tick = True
                 continue
             job = action[1] if kind == "job" else None
-            self.busy = EngineCall(job.kind if job is not None else kind, self._clock(), 1)
+            label = job.kind if job is not None else kind
             start = self._clock()
+            self.busy = EngineCall(label, start, 1)
             try:
                 if job is None:
                     self._close(engine, *action[1:])
@@ -327,7 +328,7 @@ class TickScheduler:
                         self._jobs.append(job)
             finally:
                 self.busy = None
-                self._metrics.observe_engine_job(job.kind if job is not None else kind, self._clock() - start)
+                self._metrics.observe_engine_job(label, self._clock() - start)
         for key in list(self._lanes):
             self._close(engine, key, concurrent.futures.Future())
 
