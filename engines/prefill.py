@@ -248,8 +248,9 @@ def prompt_pass(lm: MoshiLM, embed: Callable[[int, int], torch.Tensor], total: i
     piece is padded to ``chunk`` (the padding comes after every real position, so causality
     keeps it out of them): every piece has one shape.  With ``graphs``, a prompt of one piece
     is replayed from its bucket's graph, and a split one from the piece graph when no other
-    pass holds it (it has one cache); eagerly otherwise.  Eager pieces are bound by launching
-    their ~1,500 kernels (~45 ms at the 7B shapes, measured), replayed ones by the GPU.
+    pass holds it (it has one cache); eagerly otherwise.  Eager pieces are bound by the host
+    launching their kernels (~45 ms at the 7B shapes for 128 to 512 positions alike, measured),
+    replayed ones by the GPU.
     """
     if chunk is None or chunk >= total:
         with torch.inference_mode():

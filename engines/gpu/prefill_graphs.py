@@ -2,9 +2,9 @@
 replays every piece of a split prompt.
 
 A cold prefill (a new voice + persona) runs the temporal transformer over a few hundred
-prompt positions.  Eagerly that is ~1,500 kernel launches per pass or piece, so it is bound
-by the host issuing them (~45 ms at the 7B shapes on the engine thread, during which live
-ticks wait), not by the GPU.  Replaying a graph issues the whole pass at once.
+prompt positions.  Eagerly the pass launched 1,772 kernels (profiled on the H200,
+2026-12-01), so it is bound by the host issuing them (~45 ms a piece at the 7B shapes on the
+engine thread, whatever its length, during which live ticks wait), not by the GPU.  Replaying a graph issues the whole pass at once.
 
 One-piece prompts are padded at the end to a bucket length.  The pass is causal and starts
 from an empty cache, so padding positions never influence the real ones: the keys/values of
