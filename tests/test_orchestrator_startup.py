@@ -155,3 +155,43 @@ def test_an_unreadable_voice_keeps_the_server_up_and_names_the_file(tmp_path):
     line = _one_error_line(server.logs())
     assert "engine failed to load" in line and "BROKEN.pt" in line
 
+
+
+def test_a_host_that_writes_its_error_and_exits_between_two_looks_is_reported_by_its_error(tmp_path, monkeypatch):
+    """The race CI met once: the worker found no layout, then the host wrote its error and
+    exited, then the worker saw no host and said only "not running". Here the host's whole
+    failure happens inside the worker's look at the lock."""
+    import json
+
+    from orchestrator.engine_host import launch
+    from orchestrator.ipc.endpoints import layout_path, write_atomic
+
+    def host_fails_meanwhile(run_dir):
+        write_atomic(layout_path(run_dir), json.dumps({"host_pid": 1, "engines": [], "error": "the real reason"}))
+        return False
+
+    monkeypatch.setattr(launch, "_host_running", host_fails_meanwhile)
+    with pytest.raises(launch.HostStartError, match="the real reason"):
+        launch._wait_layout(tmp_path)
+
+
+def test_a_host_that_fails_before_the_worker_sees_it_start_is_reported_by_its_error(tmp_path, monkeypatch):
+    """The same race one step earlier: the host took its lock, wrote its error and exited
+    before the starting worker's first look at the lock."""
+    import json
+
+    from orchestrator.engine_host import launch
+    from orchestrator.ipc.endpoints import layout_path, write_atomic
+    from orchestrator.settings import Settings
+
+    class FailedAtOnce:
+        def __init__(self, *args, **kwargs):
+            write_atomic(layout_path(tmp_path), json.dumps({"host_pid": 1, "engines": [], "error": "the real reason"}))
+            self.pid, self.returncode = 1, 2
+
+        def poll(self):
+            return self.returncode
+
+    monkeypatch.setattr(launch.subprocess, "Popen", FailedAtOnce)
+    with pytest.raises(launch.HostStartError, match="the real reason"):
+        launch.ensure_host(Settings.from_mapping({}), tmp_path, watch_pid=os.getpid())

@@ -61,22 +61,34 @@ def ensure_host(settings: Any, run_dir: Path, watch_pid: int) -> tuple[dict[str,
             log.info("started the engine host (pid %d) in %s", proc.pid, run_dir)
             deadline = time.monotonic() + 10.0
             while not _host_running(run_dir):  # keep the other workers out until it holds its lock
-                if proc.poll() is not None:
-                    raise HostStartError(f"the engine host exited at start (code {proc.returncode})")
+                if proc.poll() is not None:  # it may have failed whole before this loop looked
+                    raise HostStartError(_reported_error(run_dir)
+                                         or f"the engine host exited at start (code {proc.returncode})")
                 if time.monotonic() > deadline:
                     raise HostStartError("the engine host did not start within 10 s")
                 time.sleep(0.02)
     return _wait_layout(run_dir), started
 
 
+def _reported_error(run_dir: Path) -> str | None:
+    """The error a failed host wrote into its layout, if it wrote one."""
+    try:
+        return json.loads(layout_path(run_dir).read_text()).get("error")
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def _wait_layout(run_dir: Path) -> dict[str, Any]:
     deadline = time.monotonic() + LAYOUT_TIMEOUT_S
     path = layout_path(run_dir)
     while time.monotonic() < deadline:
+        running = _host_running(run_dir)
+        # Read after looking at the lock: a host that fails writes its error and then exits,
+        # so a layout missing *after* the host was seen gone means it wrote none.
         try:
             layout = json.loads(path.read_text())
         except (FileNotFoundError, ValueError):
-            if not _host_running(run_dir):
+            if not running:
                 raise HostStartError(f"the engine host of {run_dir} is not running") from None
             time.sleep(0.02)
             continue
