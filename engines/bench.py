@@ -36,7 +36,9 @@ from .engine import EngineOptions, PersonaPlexEngine
 from .interface import SamplingParams, SessionSpec, to_completion
 from .lm import MoshiLM
 from .mimi import MimiCodec
+from .modules.fp8_weights import fp8_state_entries, quantize_lm_tensors
 from .modules.kv_ring import WindowMode
+from .modules.layers import fp8_matmul_for
 from .prefill import Prefill, build_prefill
 from .tokenizer import TextTokenizer
 from .voices import VoicePrompt, VoiceStore, random_voice_data
@@ -54,12 +56,21 @@ def _fill_random_(module: torch.nn.Module, seed: int) -> None:
                 p.normal_(0.0, 0.02, generator=gen)
 
 
-def random_lm(cfg: LMConfig, steps: int, device: torch.device, dtype: torch.dtype, seed: int = 0) -> MoshiLM:
+def random_lm(cfg: LMConfig, steps: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
+              fp8_matmul: str | None = None) -> MoshiLM:
+    """Random weights at ``cfg``'s shapes; ``fp8_matmul``: then quantized to fp8 as a
+    checkpoint's are at load (``EngineOptions.weights``)."""
     with torch.device("meta"):
         lm = MoshiLM(cfg, steps)
     lm = lm.to(dtype=dtype).to_empty(device=device)
     _fill_random_(lm, seed)
-    return lm.eval()
+    if fp8_matmul is None:
+        return lm.eval()
+    with torch.device("meta"):
+        quantized = MoshiLM(cfg, steps, fp8_matmul)
+    entries = fp8_state_entries(quantize_lm_tensors(lm.state_dict().items()))
+    quantized.load_state_dict(dict(entries), strict=True, assign=True)
+    return quantized.eval()
 
 
 def random_mimi(cfg: MimiConfig, num_slots: int, device: torch.device, seed: int = 1) -> MimiCodec:
@@ -71,21 +82,22 @@ def random_mimi(cfg: MimiConfig, num_slots: int, device: torch.device, seed: int
 def build_random_engine(num_slots: int, device: str, tokenizer_path: Path, steps: int = 8,
                         lm_cfg: LMConfig = LMConfig(), mimi_cfg: MimiConfig = MimiConfig(),
                         cuda_graphs: bool = True, kv_cache: str = "auto", compile: bool = False,
-                        window: str = WindowMode.REFERENCE, voice_names: Sequence[str] = (),
+                        weights: str = "auto", fp8_matmul: str = "auto", window: str = WindowMode.REFERENCE, voice_names: Sequence[str] = (),
                         model_name: str = "random-7b-shapes", is_demo: bool = False) -> PersonaPlexEngine:
     """An engine with random weights at ``lm_cfg`` / ``mimi_cfg`` shapes (the benchmark's, and
     the server's ``PERSONAPLEX_CHECKPOINT=random:...``); ``voice_names`` get random prompts of
     the real format."""
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    lm = random_lm(lm_cfg, steps, dev, dtype)
+    lm = random_lm(lm_cfg, steps, dev, dtype, fp8_matmul=fp8_matmul_for(dev, fp8_matmul) if weights == "fp8" else None)
     mimi = random_mimi(mimi_cfg, num_slots + 1, dev)
     voices = VoiceStore(None, None, None, lm_cfg.dim, lm_cfg.num_streams)
     for i, name in enumerate(voice_names):
         voices.register(name, random_voice_data(lm_cfg.dim, lm_cfg.initial_tokens(), seed=100 + i))
     return PersonaPlexEngine(lm, mimi, TextTokenizer(tokenizer_path), voices, num_slots,
                              EngineOptions(device=device, window=window, depformer_steps=steps,
-                                           cuda_graphs=cuda_graphs, kv_cache=kv_cache, compile=compile),
+                                           cuda_graphs=cuda_graphs, kv_cache=kv_cache, compile=compile,
+                                           weights=weights, fp8_matmul=fp8_matmul),
                              model_name=model_name, is_demo=is_demo)
 
 
@@ -219,6 +231,41 @@ def fp8_attention_error(batch: int = 8, heads: int = 32, capacity: int = 3000, h
             "relative_error_max": float(err.max())}
 
 
+def fp8_weight_error(device: str = "cuda", rows: int = 64, seed: int = 0) -> dict:
+    """Each 7B linear layer's output with fp8 weights against bf16 weights, on random
+    activations, for both products (``layers.linear``): W8A16, and W8A8 with a scale per
+    token.  Weights: N(0, 0.02) with output channels spread over a decade; activations:
+    N(0, 1), and again with 8 input features 30x larger (LLM activations have such outlier
+    features, which per-token scales pass on to every other feature of the token)."""
+    from .modules.fp8_weights import quantize_weight
+    from .modules.layers import linear
+
+    cfg = LMConfig()
+    d, h, dd, dh = cfg.dim, cfg.ffn_hidden, cfg.depformer_dim, cfg.depformer_ffn_hidden
+    shapes = {"in_proj": (3 * d, d), "out_proj": (d, d), "ffn_in": (2 * h, d), "ffn_out": (d, h),
+              "depformer.in_proj": (3 * dd, dd), "depformer.ffn_in": (2 * dh, dd), "depformer.ffn_out": (dd, dh),
+              "depformer_in": (dd, d)}
+    g = torch.Generator(device=device).manual_seed(seed)
+    out: dict = {"rows": rows, "layers": {}}
+    for name, (n, k) in shapes.items():
+        spread = torch.logspace(-0.5, 0.5, n, device=device).view(-1, 1)
+        w = (torch.randn(n, k, device=device, generator=g) * 0.02 * spread).bfloat16()
+        q = quantize_weight(w)
+        result = {}
+        for case in ("plain", "outliers"):
+            x = torch.randn(rows, k, device=device, generator=g)
+            if case == "outliers":
+                x[:, torch.randperm(k, device=device, generator=g)[:8]] *= 30
+            x = x.bfloat16()
+            exact = (x.float() @ w.float().t())
+            for matmul in ("w8a16", "scaled_mm"):
+                got = linear(x, q.data, q.scale, matmul).float()
+                result[f"{case}.{matmul}"] = round(float((got - exact).norm() / exact.norm()), 5)
+            result[f"{case}.bf16"] = round(float((linear(x, w).float() - exact).norm() / exact.norm()), 5)
+        out["layers"][name] = result
+    return out
+
+
 def bench_baseline(batch_sizes: list[int], ticks: int, warmup: int, speech: np.ndarray) -> list[dict]:
     """Upstream moshi 0.2.13 at PersonaPlex shapes: LMGen (CUDA graphs, 16 depformer steps,
     greedy) + streaming Mimi encode/decode, random bf16 weights."""
@@ -284,30 +331,50 @@ def _git_revision() -> str:
         return "unknown"
 
 
+# The words of a ``--configs`` item, joined by "+" in any order: the KV cache ("bf16", the
+# default, or "fp8"), the weights ("fp8w": fp8 with the device's product; "fp8w-w8a16": fp8,
+# dequantized before a bf16 GEMM) and "compile".
+CONFIG_WORDS = {"bf16": ("kv_cache", "auto"), "fp8": ("kv_cache", "fp8"), "fp8w": ("weights", "auto"),
+                "fp8w-w8a16": ("weights", "w8a16"), "compile": ("compile", True)}
+
+
 @dataclass(frozen=True)
 class BenchConfig:
-    """One engine variant: KV cache storage and whether the blocks are compiled."""
+    """One engine variant: KV cache storage, weight storage and whether the blocks are compiled."""
 
     name: str
     kv_cache: str  # EngineOptions.kv_cache
     compile: bool
+    weights: str = "auto"  # EngineOptions.weights
+    fp8_matmul: str = "auto"  # EngineOptions.fp8_matmul, for fp8 weights
 
     @classmethod
     def parse(cls, text: str) -> "BenchConfig":
-        kv, _, extra = text.partition("+")
-        if kv not in ("bf16", "fp8") or extra not in ("", "compile"):
-            raise ValueError(f"bad config {text!r}: expected bf16 or fp8, optionally +compile")
-        return cls(text, "fp8" if kv == "fp8" else "auto", extra == "compile")
+        chosen: dict = {}
+        for word in text.split("+"):
+            if word not in CONFIG_WORDS or CONFIG_WORDS[word][0] in chosen:
+                raise ValueError(f"bad config {text!r}: expected words of {', '.join(CONFIG_WORDS)} joined by '+', "
+                                 "at most one for the KV cache and one for the weights")
+            field, value = CONFIG_WORDS[word]
+            chosen[field] = value
+        matmul = chosen.get("weights")
+        return cls(text, chosen.get("kv_cache", "auto"), chosen.get("compile", False),
+                   weights="auto" if matmul is None else "fp8", fp8_matmul=matmul or "auto")
 
 
-def slots_that_fit(cfg: LMConfig, config: BenchConfig, wanted: int, reserve_gb: float = 24.0) -> int:
+# GPU memory kept free beside the sessions' windows: the 7B weights (~16 GB in bf16 with 8
+# depformer steps, ~8.5 GB in fp8) and ~8 GB of activations, graphs and allocator slack.
+RESERVE_GB = {"auto": 24.0, "fp8": 16.5}
+
+
+def slots_that_fit(cfg: LMConfig, config: BenchConfig, wanted: int) -> int:
     """How many slots (+ the scratch slot) of full KV windows fit beside the weights."""
     from .modules.kv_ring import kv_bytes_per_slot
 
     per_slot = kv_bytes_per_slot(cfg.num_layers, cfg.num_heads, cfg.context, cfg.head_dim, torch.bfloat16,
                                  fp8=config.kv_cache == "fp8")
     free, _ = torch.cuda.mem_get_info()
-    return max(1, min(wanted, int((free - reserve_gb * 1e9) // per_slot) - 1))
+    return max(1, min(wanted, int((free - RESERVE_GB[config.weights] * 1e9) // per_slot) - 1))
 
 
 def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Path, speech: np.ndarray) -> dict:
@@ -315,11 +382,14 @@ def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Pat
     slots = slots_that_fit(LMConfig(), config, max(batch_sizes))
     engine = build_random_engine(slots, "cuda", tokenizer, steps=args.depformer_steps,
                                  cuda_graphs=not args.no_cuda_graphs, kv_cache=config.kv_cache,
-                                 compile=config.compile)
-    log.info("%s: built a 7B-shaped engine with %d slots in %.1f s", config.name, slots, time.perf_counter() - t0)
+                                 compile=config.compile, weights=config.weights, fp8_matmul=config.fp8_matmul)
+    weights_gb = sum(t.numel() * t.element_size() for t in engine.lm.state_dict().values()) / 1e9
+    log.info("%s: built a 7B-shaped engine with %d slots in %.1f s (LM weights %.1f GB, fp8 product %s)", config.name,
+             slots, time.perf_counter() - t0, weights_gb, engine.lm.fp8_matmul)
     voice = typical_voice(engine.cfg)
     persona = list(range(100, 200))  # a 100-token persona
-    out = {"slots": slots, "prefill": bench_prefill(engine, voice, persona)}
+    out = {"slots": slots, "lm_weights_gb": round(weights_gb, 2), "fp8_matmul": engine.lm.fp8_matmul,
+           "prefill": bench_prefill(engine, voice, persona)}
     log.info("%s: prefill %s", config.name, out["prefill"])
     base = build_prefill(engine.lm, voice, persona, engine.options.window, engine.kv.capacity)
     fitting = [b for b in batch_sizes if b <= slots]
@@ -336,7 +406,8 @@ def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Pat
 def print_table(report: dict) -> None:
     base_rows = {r["batch"]: r for r in report.get("baseline", []) if "error" not in r}
     for name, result in report["configs"].items():
-        print(f"== {name}: prefill {result['prefill']['gpu_ms']:.1f} ms GPU "
+        print(f"== {name}: {result['slots']} slots of full windows fit beside {result['lm_weights_gb']:.1f} GB of "
+              f"LM weights; prefill {result['prefill']['gpu_ms']:.1f} ms GPU "
               f"(+ {result['prefill']['plan_cpu_ms']:.1f} ms host plan)")
         print(f"{'B':>4} {'ours p50':>9} {'ours p99':>9} {'base p50':>9} {'base p99':>9} {'ratio':>6} {'mem GB':>7}")
         for r in result["ours"]:
@@ -350,6 +421,8 @@ def print_table(report: dict) -> None:
                   f"{ratio:>6} {r['peak_memory_gb']:>7.1f}")
     if "fp8_error" in report:
         print(f"fp8 KV attention error at 7B shapes: {report['fp8_error']}")
+    for layer, errors in report.get("fp8_weight_error", {}).get("layers", {}).items():
+        print(f"fp8 weights, {layer}: " + ", ".join(f"{case} {value:.4f}" for case, value in errors.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,9 +430,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,8,32,64", help="comma-separated B values (default 1,8,32,64)")
     parser.add_argument("--configs", default="bf16",
-                        help="comma-separated engine variants: bf16 or fp8 (KV cache), each optionally "
-                             "+compile (torch.compile'd blocks); default bf16.  B values whose full windows "
-                             "do not fit in memory are reported as such")
+                        help="comma-separated engine variants, each words joined by '+': bf16 (default) or fp8 "
+                             "for the KV cache; fp8w for fp8 weights with the GPU's fp8 GEMMs, fp8w-w8a16 for fp8 "
+                             "weights dequantized before a bf16 GEMM; compile for torch.compile'd blocks; e.g. "
+                             "bf16,fp8+compile,fp8w+fp8+compile.  B values whose full windows do not fit in "
+                             "memory are reported as such")
     parser.add_argument("--ticks", type=int, default=100, help="timed ticks per B (default 100)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed ticks per B first (default 5)")
     parser.add_argument("--depformer-steps", type=int, choices=(8, 16), default=8)
@@ -411,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(c.kv_cache == "fp8" for c in configs):
         report["fp8_error"] = fp8_attention_error()
         log.info("fp8 KV attention error at 7B shapes: %s", report["fp8_error"])
+    if any(c.weights == "fp8" for c in configs):
+        report["fp8_weight_error"] = fp8_weight_error()
+        log.info("fp8 weight error per 7B layer: %s", report["fp8_weight_error"])
     for config in configs:
         report["configs"][config.name] = run_config(config, batch_sizes, args, tokenizer, speech)
         save()

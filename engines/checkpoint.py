@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from .config import (CONFIG_FILE, LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOICES_ARCHIVE, VOICES_DIR, ConfigError,
                      LMConfig, MimiConfig)
 from .errors import CheckpointError
+from .modules.fp8_weights import fp8_dtype_of
+from .weights_format import FORMAT_KEY, FP8_FORMAT, STEPS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +131,7 @@ class SafetensorsReader:
         try:
             self._file = safe_open(str(path), framework="pt")
             self.keys = set(self._file.keys())
+            self.metadata: dict[str, str] = self._file.metadata() or {}
         except Exception as exc:  # safetensors raises several types for corrupt files
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
 
@@ -250,21 +254,68 @@ def depformer_tensors(reader: SafetensorsReader, cfg: LMConfig, steps: int,
     return out
 
 
+def iter_lm_tensors(
+    reader: SafetensorsReader,
+    cfg: LMConfig,
+    steps: int,
+    convert: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read and validate every LM tensor, as (``MoshiLM`` parameter name, tensor), a layer's
+    worth at a time so a consumer can transform each before the next is read.
+
+    ``steps`` is the number of depformer steps to load (8: agent codebooks only).
+    ``convert`` is applied to each tensor as it is read (dtype/device), to bound peak memory.
+    """
+    yield from depformer_tensors(reader, cfg, steps, convert).items()  # first: names a file without heads
+    yield from lm_io_tensors(reader, cfg, convert).items()
+    for layer in range(cfg.num_layers):
+        for name, tensor in temporal_layer_tensors(reader, cfg, layer, convert).items():
+            yield f"layers.{layer}.{name}", tensor
+
+
+# The tensors of an fp8 copy (engines.weights_format) whose first dimension is the depformer
+# step (depformer_emb's is step - 1): a copy of more steps serves an engine running fewer.
+_PER_STEP = re.compile(r"^(depformer_in|linears|depformer_emb)(_scale)?$"
+                       r"|^depformer_layers\.\d+\.(in_proj|out_proj|ffn_in|ffn_out)(_scale)?$")
+
+
+def is_fp8_copy(reader: SafetensorsReader) -> bool:
+    return reader.metadata.get(FORMAT_KEY) == FP8_FORMAT
+
+
+def iter_fp8_copy_tensors(
+    reader: SafetensorsReader,
+    expected: dict[str, torch.Tensor],
+    convert: Callable[[torch.Tensor], torch.Tensor],
+    place: Callable[[torch.Tensor], torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of an fp8 copy, checked against ``expected`` (an fp8 ``MoshiLM``'s state
+    dict, on the meta device: names and shapes).  ``convert`` brings a tensor in the model
+    dtype to its device and dtype; ``place`` moves fp8 data and float32 scales as they are."""
+    held = int(reader.metadata.get(STEPS_KEY, "0"))
+    extra = sorted(reader.keys - set(expected))
+    if extra:
+        raise CheckpointError(f"{reader.path}: an fp8 copy with tensors this model does not have: {extra[:3]}")
+    for name, want in expected.items():
+        t = reader.get(name)
+        if _PER_STEP.match(name) and t.dim() == want.dim() and t.shape[1:] == want.shape[1:] and \
+                t.shape[0] > want.shape[0]:
+            t = t[: want.shape[0]]  # the copy holds more depformer steps than this engine runs
+        if t.shape != want.shape:
+            why = f" (it holds {held} depformer steps)" if _PER_STEP.match(name) else ""
+            raise CheckpointError(f"{reader.path}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                                  f"{tuple(want.shape)}{why}")
+        stored = fp8_dtype_of(name)
+        if stored is not None and t.dtype != stored:
+            raise CheckpointError(f"{reader.path}: tensor {name!r} is {t.dtype}, expected {stored}")
+        yield name, convert(t) if stored is None else place(t)
+
+
 def load_lm_tensors(
     reader: SafetensorsReader,
     cfg: LMConfig,
     steps: int,
     convert: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> dict[str, torch.Tensor]:
-    """Read and validate every LM tensor, returned under ``MoshiLM`` parameter names.
-
-    ``steps`` is the number of depformer steps to load (8: agent codebooks only).
-    ``convert`` is applied to each tensor as it is read (dtype/device), to bound peak memory.
-    """
-    depformer = depformer_tensors(reader, cfg, steps, convert)  # first: names a file without heads
-    out = lm_io_tensors(reader, cfg, convert)
-    for layer in range(cfg.num_layers):
-        for name, tensor in temporal_layer_tensors(reader, cfg, layer, convert).items():
-            out[f"layers.{layer}.{name}"] = tensor
-    out.update(depformer)
-    return out
+    """``iter_lm_tensors`` as one dict."""
+    return dict(iter_lm_tensors(reader, cfg, steps, convert))

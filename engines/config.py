@@ -30,6 +30,8 @@ DEFAULT_PERSONA = (
 DEFAULT_VOICE = "NATF2.pt"
 # Temporal KV cache storage: the model's dtype, or float8 with per-(position, head) scales.
 KV_CACHE_MODES = ("auto", "fp8")
+# LM weight storage: the model's dtype, or fp8 projections and FFNs (engines.modules.fp8_weights).
+WEIGHT_MODES = ("auto", "fp8")
 # torch.compile of the GPU pieces: on, off, or on for CUDA devices only.
 COMPILE_MODES = ("auto", "on", "off")
 
@@ -129,6 +131,18 @@ class LMConfig:
     @property
     def depformer_ffn_hidden(self) -> int:
         return gated_hidden(self.depformer_dim, self.depformer_dim_feedforward)
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(all parameters of a checkpoint with every depformer step, those that fp8 weights
+        store in fp8: the layers' projections and FFNs and ``depformer_in``; see
+        ``engines.modules.fp8_weights``).  The server sizes admission with them."""
+        d, h, dd, dh, steps = self.dim, self.ffn_hidden, self.depformer_dim, self.depformer_ffn_hidden, self.dep_q
+        temporal = self.num_layers * (4 * d * d + 3 * h * d)
+        depformer = steps * (self.depformer_num_layers * (4 * dd * dd + 3 * dh * dd) + dd * d)
+        rest = ((self.n_q * (self.card + 1) + 2 * self.text_card + 1) * d + (2 * self.num_layers + 1) * d
+                + (self.text_card + 1 + (steps - 1) * (self.card + 1) + steps * self.card) * dd
+                + 2 * self.depformer_num_layers * dd)
+        return temporal + depformer + rest, temporal + depformer
 
     @property
     def max_delay(self) -> int:

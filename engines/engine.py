@@ -19,13 +19,15 @@ import numpy as np
 import torch
 
 from . import progress
-from .checkpoint import CheckpointFiles, SafetensorsReader, load_lm_tensors
+from .checkpoint import CheckpointFiles, SafetensorsReader, is_fp8_copy, iter_fp8_copy_tensors, iter_lm_tensors
 from .compiled import compile_dynamic
-from .config import FRAME_SAMPLES, KV_CACHE_MODES
+from .config import FRAME_SAMPLES, KV_CACHE_MODES, WEIGHT_MODES
 from .interface import EngineInfo, FrameOutput, NoFreeSlot, Pieces, SessionSpec, to_completion
 from .lm import MoshiLM
 from .mimi import MimiCodec
+from .modules.fp8_weights import fp8_state_entries, quantize_lm_tensors
 from .modules.kv_ring import SlotKVRing, WindowMode
+from .modules.layers import fp8_matmul_for
 from .prefill import (PREFILL_CHUNK, Prefill, PrefillCache, plan_prompt, prefill_pieces, prompt_frames, prompt_pass,
                       voice_replay_frame)
 from .profiling import StageClock
@@ -61,6 +63,12 @@ class EngineOptions:
     # Temporal KV cache storage: "auto" = the LM dtype; "fp8" = float8 e4m3 with per-
     # (position, head) scales (engines.modules.kv_ring): half the bytes per decode step.
     kv_cache: str = "auto"
+    # LM weights: "auto" = the LM dtype; "fp8" = the projections and FFNs in float8 e4m3
+    # with per-output-channel scales, quantized at load (half their bytes, read every tick).
+    weights: str = "auto"
+    # How fp8 weights multiply (engines.modules.layers.linear): "auto" = fp8 tensor cores
+    # ("scaled_mm") where the GPU has them, else "w8a16" (dequantize, then the usual GEMM).
+    fp8_matmul: str = "auto"
     # torch.compile the layer blocks, embeddings, sampling and fp8 writes (CUDA fast path:
     # far fewer kernels per tick; first use of each shape compiles, tens of seconds).
     compile: bool = False
@@ -72,6 +80,8 @@ class EngineOptions:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.kv_cache not in KV_CACHE_MODES:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
 
 
 def _sample_static(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor,
@@ -202,13 +212,27 @@ class PersonaPlexEngine:
         else:
             lm_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         cfg = files.lm_config
-        lm = MoshiLM(cfg, options.depformer_steps)
-        log.info("loading LM weights from %s", files.lm_weights)
-        progress.report(progress.WEIGHTS, files.lm_weights.name)
         reader = SafetensorsReader(files.lm_weights)
-        tensors = load_lm_tensors(reader, cfg, options.depformer_steps,
-                                  convert=lambda t: t.to(device=device, dtype=lm_dtype))
-        lm.load_state_dict(tensors, strict=True, assign=True)
+        stored_fp8 = is_fp8_copy(reader)  # convert_checkpoint.py --target torch-fp8 wrote it
+        fp8 = options.weights == "fp8" or stored_fp8
+        fp8_matmul = fp8_matmul_for(device, options.fp8_matmul) if fp8 else None
+        lm = MoshiLM(cfg, options.depformer_steps, fp8_matmul)
+        how = "" if not fp8 else f" ({'stored' if stored_fp8 else 'quantized at load'} in fp8, {fp8_matmul} products)"
+        log.info("loading LM weights from %s%s", files.lm_weights, how)
+        progress.report(progress.WEIGHTS, files.lm_weights.name)
+
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=lm_dtype)
+
+        if stored_fp8:
+            with torch.device("meta"):
+                expected = MoshiLM(cfg, options.depformer_steps, fp8_matmul).state_dict()
+            tensors = iter_fp8_copy_tensors(reader, expected, convert, place=lambda t: t.to(device))
+        else:
+            tensors = iter_lm_tensors(reader, cfg, options.depformer_steps, convert)
+            if fp8:  # on the device, a layer at a time: its bf16 copy never all exists at once
+                tensors = fp8_state_entries(quantize_lm_tensors(tensors))
+        lm.load_state_dict(dict(tensors), strict=True, assign=True)
         lm.eval()
         log.info("loading Mimi weights from %s", files.mimi_weights)
         progress.report(progress.WEIGHTS, files.mimi_weights.name)

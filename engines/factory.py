@@ -23,6 +23,7 @@ def create_torch_engine(
     depformer_steps: int = 8,
     kv_cache: str = "auto",
     compile: str = "auto",
+    weights: str = "auto",
     **locate_overrides,
 ):
     """The PyTorch engine for ``checkpoint`` (``None``: the embedded tiny demo model).
@@ -44,7 +45,7 @@ def create_torch_engine(
         log.info("using the embedded tiny demo checkpoint (untrained) at %s", checkpoint)
     files = ckpt.locate(resolve_checkpoint(checkpoint), **locate_overrides)
     options = EngineOptions(device=device, window=window, depformer_steps=depformer_steps, kv_cache=kv_cache,
-                            compile=_compile_enabled(compile, device))
+                            compile=_compile_enabled(compile, device), weights=weights)
     return PersonaPlexEngine.from_files(files, max_slots, options, is_demo=is_demo)
 
 
@@ -80,6 +81,7 @@ def create_engine(
     window: str = WindowMode.REFERENCE,
     kv_cache: str = "auto",
     compile: str = "auto",
+    weights: str = "auto",
     voice_dir: str | Path | None = None,
 ) -> Engine:
     """Load ``checkpoint`` (a local checkpoint directory, or a Hugging Face repo id) into an
@@ -87,6 +89,7 @@ def create_engine(
     deterministic tiny demo checkpoint, generated once into a cache directory;
     ``random:<model>`` random weights at that model's shapes (``engines/random_weights.py``).
     ``voice_dir``: more voices, served ahead of the checkpoint's (every file checked now).
+    ``weights``: ``EngineOptions.weights`` ("fp8": the torch backend only).
 
     On CUDA the calling thread's current device becomes ``device``: drive the engine from
     this thread."""
@@ -98,14 +101,18 @@ def create_engine(
     random_model = random_model_name(checkpoint)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    if weights != "auto" and backend != "torch":
+        # TensorRT-LLM fixes its weights' precision when its engine is built.
+        raise ValueError(f"weights={weights!r} needs the torch backend, not {backend!r}")
     if random_model is not None:
         if backend != "torch":
             raise ValueError(f"random weights ({checkpoint}) need the torch backend, not {backend!r}")
         engine = create_random_engine(random_model, max_slots=max_slots, device=device, window=window,
-                                      kv_cache=kv_cache, compile=_compile_enabled(compile, device))
+                                      kv_cache=kv_cache, compile=_compile_enabled(compile, device),
+                                      weights=weights)
     elif backend == "torch":
         engine = create_torch_engine(checkpoint, max_slots=max_slots, device=device, window=window,
-                                     kv_cache=kv_cache, compile=compile)
+                                     kv_cache=kv_cache, compile=compile, weights=weights)
     else:
         # ``checkpoint`` is then a build directory written by convert_checkpoint.py.
         from .trtllm import create_trtllm_engine

@@ -30,12 +30,14 @@ def _param(*shape: int) -> nn.Parameter:
 # The two halves of a transformer layer around its attention, as free functions of their
 # weights so one compiled version serves every layer (see ``MoshiLM.compile_blocks``).
 def attention_input(x: torch.Tensor, norm: torch.Tensor, in_proj: torch.Tensor, heads: int, eps: float,
-                    tables: tuple[torch.Tensor, torch.Tensor] | None):
+                    tables: tuple[torch.Tensor, torch.Tensor] | None, in_scale: torch.Tensor | None = None,
+                    matmul: str = "w8a16"):
     """Pre-norm and the fused q/k/v projection of ``x`` [B, T, D]; RoPE when ``tables``.
+    ``in_scale``, ``matmul``: an fp8 ``in_proj``'s scales and product (``layers.linear``).
     Returns q, k, v [B, H, T, Dh]."""
     B, T, D = x.shape
     h = rms_norm(x, norm, eps)
-    q, k, v = linear(h, in_proj).view(B, T, 3, heads, D // heads).permute(2, 0, 3, 1, 4)
+    q, k, v = linear(h, in_proj, in_scale, matmul).view(B, T, 3, heads, D // heads).permute(2, 0, 3, 1, 4)
     if tables is not None:
         q, k = rotate(q, tables), rotate(k, tables)
     return q, k, v
@@ -54,11 +56,15 @@ def embed_streams(audio_tables: torch.Tensor, text_table: torch.Tensor, tokens: 
 
 
 def attention_output_ffn(x: torch.Tensor, attn: torch.Tensor, out_proj: torch.Tensor, norm: torch.Tensor,
-                         ffn_in: torch.Tensor, ffn_out: torch.Tensor, eps: float) -> torch.Tensor:
-    """Residual add of the attention output ``attn`` [B, H, T, Dh], then the gated FFN block."""
+                         ffn_in: torch.Tensor, ffn_out: torch.Tensor, eps: float,
+                         scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                         matmul: str = "w8a16") -> torch.Tensor:
+    """Residual add of the attention output ``attn`` [B, H, T, Dh], then the gated FFN block.
+    ``scales``: of fp8 ``out_proj``, ``ffn_in``, ``ffn_out`` (``layers.linear``)."""
     B, T, D = x.shape
-    x = x + linear(attn.transpose(1, 2).reshape(B, T, D), out_proj)
-    return x + gated_ffn(rms_norm(x, norm, eps), ffn_in, ffn_out)
+    s_out, s_in, s_ffn_out = scales if scales is not None else (None, None, None)
+    x = x + linear(attn.transpose(1, 2).reshape(B, T, D), out_proj, s_out, matmul)
+    return x + gated_ffn(rms_norm(x, norm, eps), ffn_in, ffn_out, s_in, s_ffn_out, matmul)
 
 
 def depformer_first_visible(step: int, dep_q: int, window: str) -> int:
@@ -68,8 +74,28 @@ def depformer_first_visible(step: int, dep_q: int, window: str) -> int:
     return max(int(window_start(step, step + 1, dep_q, window)), 0)
 
 
+def _add_fp8_scales(module: nn.Module, fp8: bool, names: tuple[str, ...]) -> None:
+    """``NAME_scale`` beside each weight of ``names``: its per-output-channel fp8 scales
+    (``modules.fp8_weights``) when ``fp8``, else None."""
+    for name in names:
+        shape = getattr(module, name).shape[:-1]
+        setattr(module, f"{name}_scale", _param(*shape) if fp8 else None)
+
+
+# A layer's weights that may be fp8 (``modules.fp8_weights.is_quantized`` names them too).
+LAYER_LINEARS = ("in_proj", "out_proj", "ffn_in", "ffn_out")
+
+
+def _output_scales(layer: nn.Module, step: int | None = None) -> tuple[torch.Tensor, ...] | None:
+    """``attention_output_ffn``'s ``scales`` of ``layer`` (of one depformer ``step``)."""
+    if layer.out_proj_scale is None:
+        return None
+    scales = (layer.out_proj_scale, layer.ffn_in_scale, layer.ffn_out_scale)
+    return scales if step is None else tuple(s[step] for s in scales)
+
+
 class TemporalLayer(nn.Module):
-    def __init__(self, cfg: LMConfig) -> None:
+    def __init__(self, cfg: LMConfig, fp8: bool = False) -> None:
         super().__init__()
         d, h = cfg.dim, cfg.ffn_hidden
         self.in_proj = _param(3 * d, d)  # rows: q, k, v; each head-major
@@ -78,12 +104,13 @@ class TemporalLayer(nn.Module):
         self.norm2 = _param(d)
         self.ffn_in = _param(2 * h, d)  # rows: gate, up
         self.ffn_out = _param(d, h)
+        _add_fp8_scales(self, fp8, LAYER_LINEARS)
 
 
 class DepformerLayer(nn.Module):
     """One depformer layer with a separate weight set per codebook step."""
 
-    def __init__(self, cfg: LMConfig, steps: int) -> None:
+    def __init__(self, cfg: LMConfig, steps: int, fp8: bool = False) -> None:
         super().__init__()
         d, h = cfg.depformer_dim, cfg.depformer_ffn_hidden
         self.in_proj = _param(steps, 3 * d, d)
@@ -92,10 +119,15 @@ class DepformerLayer(nn.Module):
         self.norm2 = _param(d)
         self.ffn_in = _param(steps, 2 * h, d)
         self.ffn_out = _param(steps, d, h)
+        _add_fp8_scales(self, fp8, LAYER_LINEARS)
 
 
 class MoshiLM(nn.Module):
-    def __init__(self, cfg: LMConfig, depformer_steps: int) -> None:
+    """``fp8_matmul``: None keeps every weight in the model dtype; otherwise the layers'
+    projections and FFNs and ``depformer_in`` are fp8 with ``NAME_scale`` parameters beside
+    them (``modules.fp8_weights``), multiplied as ``layers.linear`` says for that value."""
+
+    def __init__(self, cfg: LMConfig, depformer_steps: int, fp8_matmul: str | None = None) -> None:
         super().__init__()
         if not 1 <= depformer_steps <= cfg.dep_q:
             raise ValueError(f"depformer_steps={depformer_steps} must be in [1, dep_q={cfg.dep_q}]")
@@ -104,13 +136,16 @@ class MoshiLM(nn.Module):
         d, dd, steps = cfg.dim, cfg.depformer_dim, depformer_steps
         self.emb = _param(cfg.n_q, cfg.card + 1, d)
         self.text_emb = _param(cfg.text_card + 1, d)
-        self.layers = nn.ModuleList(TemporalLayer(cfg) for _ in range(cfg.num_layers))
+        self.fp8_matmul = fp8_matmul
+        fp8 = fp8_matmul is not None
+        self.layers = nn.ModuleList(TemporalLayer(cfg, fp8) for _ in range(cfg.num_layers))
         self.out_norm = _param(d)
         self.text_linear = _param(cfg.text_card, d)
         self.depformer_in = _param(steps, dd, d)
+        _add_fp8_scales(self, fp8, ("depformer_in",))
         self.depformer_text_emb = _param(cfg.text_card + 1, dd)
         self.depformer_emb = _param(max(steps - 1, 0), cfg.card + 1, dd)
-        self.depformer_layers = nn.ModuleList(DepformerLayer(cfg, steps) for _ in range(cfg.depformer_num_layers))
+        self.depformer_layers = nn.ModuleList(DepformerLayer(cfg, steps, fp8) for _ in range(cfg.depformer_num_layers))
         self.linears = _param(steps, cfg.card, dd)
         self._attention_input = attention_input
         self._attention_output_ffn = attention_output_ffn
@@ -163,10 +198,13 @@ class MoshiLM(nn.Module):
         lo = window_start(positions, positions + 1, kv.capacity, window)
         tables = rope_tables(positions, cfg.head_dim, cfg.max_period)  # shared by all layers
         eps = cfg.norm_eps
+        matmul = self.fp8_matmul or "w8a16"
         for i, layer in enumerate(self.layers):
-            q, k, v = self._attention_input(x, layer.norm1, layer.in_proj, cfg.num_heads, eps, tables)
+            q, k, v = self._attention_input(x, layer.norm1, layer.in_proj, cfg.num_heads, eps, tables,
+                                            layer.in_proj_scale, matmul)
             a = kv.attend(i, slots, q, k, v, positions, lo)
-            x = self._attention_output_ffn(x, a, layer.out_proj, layer.norm2, layer.ffn_in, layer.ffn_out, eps)
+            x = self._attention_output_ffn(x, a, layer.out_proj, layer.norm2, layer.ffn_in, layer.ffn_out, eps,
+                                           _output_scales(layer), matmul)
         kv.advance(slots, T)
         return rms_norm(x, self.out_norm, cfg.norm_eps)
 
@@ -199,17 +237,21 @@ class MoshiLM(nn.Module):
         values = torch.zeros_like(keys)
         samples = []
         prev = first_token
+        matmul = self.fp8_matmul or "w8a16"
+        fp8 = self.fp8_matmul is not None
         for k in range(steps):
             table = self.depformer_text_emb if k == 0 else self.depformer_emb[k - 1]
-            x = (linear(hidden, self.depformer_in[k]) + embed(table, prev)).unsqueeze(1)
+            x = linear(hidden, self.depformer_in[k], self.depformer_in_scale[k] if fp8 else None, matmul)
+            x = (x + embed(table, prev)).unsqueeze(1)
             lo = depformer_first_visible(k, cfg.dep_q, window)
             for i, layer in enumerate(self.depformer_layers):
-                q, kk, vv = self._attention_input(x, layer.norm1, layer.in_proj[k], H, cfg.norm_eps, None)
+                q, kk, vv = self._attention_input(x, layer.norm1, layer.in_proj[k], H, cfg.norm_eps, None,
+                                                  layer.in_proj_scale[k] if fp8 else None, matmul)
                 keys[i, :, :, k] = kk[:, :, 0]
                 values[i, :, :, k] = vv[:, :, 0]
                 a = F.scaled_dot_product_attention(q, keys[i, :, :, lo : k + 1], values[i, :, :, lo : k + 1])
                 x = self._attention_output_ffn(x, a, layer.out_proj[k], layer.norm2, layer.ffn_in[k],
-                                               layer.ffn_out[k], cfg.norm_eps)
+                                               layer.ffn_out[k], cfg.norm_eps, _output_scales(layer, k), matmul)
             logits = linear(x[:, 0], self.linears[k]).float()
             token = sample(k, logits)
             samples.append(token)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import DEFAULT_PERSONA, FRAME_SAMPLES, SAMPLE_RATE
+from .config import DEFAULT_PERSONA, FRAME_SAMPLES, SAMPLE_RATE, WEIGHT_MODES
 from .errors import AudioInputError, CheckpointError
 from .interface import EngineError, SamplingParams, SessionSpec
 
@@ -65,10 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default), 'full' the upstream Kyutai one")
     p.add_argument("--depformer-steps", type=int, choices=(8, 16), default=8,
                    help="depformer steps per frame: 8 agent codebooks (default) or the reference's 16")
+    p.add_argument("--weights", choices=WEIGHT_MODES, default="auto",
+                   help="LM weights: 'auto' as the checkpoint stores them (default), 'fp8' the projections and "
+                   "FFNs quantized to float8 at load: the 7B model in ~9 GB of GPU memory instead of ~17, with a "
+                   "small numerical error (docs/PERFORMANCE.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--cpu-offload", action="store_true",
                    help="the reference's layer offloading to the CPU: NOT supported here (the run stops with a "
-                   "message); the bf16 7B model needs ~17 GB of GPU memory, or run on --device cpu")
+                   "message); the bf16 7B model needs ~17 GB of GPU memory (~9 GB with --weights fp8), or run on "
+                   "--device cpu")
     return p
 
 
@@ -88,7 +93,7 @@ def run(args: argparse.Namespace) -> None:
 
     if args.cpu_offload:
         raise ValueError("--cpu-offload is not supported by this implementation: use a GPU with ~17 GB free for "
-                         "the bf16 7B model, or --device cpu (slow)")
+                         "the bf16 7B model (~9 GB with --weights fp8), or --device cpu (slow)")
     for flag in ("output_wav", "output_text"):
         parent = Path(getattr(args, flag)).resolve().parent
         if not parent.is_dir():
@@ -112,7 +117,8 @@ def run(args: argparse.Namespace) -> None:
         log.warning("no --checkpoint given: using the embedded tiny demo model, which is UNTRAINED "
                     "(its speech is noise); pass --hf-repo nvidia/personaplex-7b-v1 (or --checkpoint DIR)")
     engine = create_torch_engine(checkpoint, max_slots=1, device=device,
-                                 window=args.window, depformer_steps=args.depformer_steps, **overrides)
+                                 window=args.window, depformer_steps=args.depformer_steps, weights=args.weights,
+                                 **overrides)
     if voice_wav:
         data = build_voice_prompt(engine, read_audio(voice))
         voice = Path(voice).with_suffix(".pt").name

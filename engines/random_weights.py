@@ -40,7 +40,7 @@ def random_model_name(checkpoint: str | Path | None) -> str | None:
 
 
 def create_random_engine(name: str, *, max_slots: int, device: str, window: str, kv_cache: str,
-                         compile: bool) -> Any:
+                         compile: bool, weights: str = "auto") -> Any:
     """A ``PersonaPlexEngine`` with random weights at ``name``'s shapes (see the module doc)."""
     from . import checkpoint as ckpt
     from . import progress
@@ -54,5 +54,5 @@ def create_random_engine(name: str, *, max_slots: int, device: str, window: str,
     tokenizer = ensure_tiny_checkpoint() / ckpt.TOKENIZER_FILE
     progress.report(progress.WEIGHTS, f"random weights at {name} shapes")
     return build_random_engine(max_slots, device, tokenizer, lm_cfg=lm_cfg, mimi_cfg=mimi_cfg, kv_cache=kv_cache,
-                               compile=compile, window=window, voice_names=tuple(TINY_VOICES),
+                               compile=compile, weights=weights, window=window, voice_names=tuple(TINY_VOICES),
                                model_name=f"random-{name}", is_demo=True)

@@ -21,9 +21,10 @@ from typing import Any, Mapping
 
 import tomllib
 
-from engines.config import COMPILE_MODES, KV_CACHE_MODES
+from engines.config import COMPILE_MODES, KV_CACHE_MODES, LM_FILE, WEIGHT_MODES, LMConfig
 from engines.hub import DEFAULT_REPO, parse_repo_ref
 from engines.random_weights import RANDOM_MODEL_BYTES, random_model_name
+from engines.weights_format import is_fp8_checkpoint
 
 from .lockstep.tick_policy import POLICIES, PacedPolicy, WindowPolicy, make_policy
 
@@ -79,6 +80,11 @@ class Settings:
     # "fp8" = float8 e4m3 with per-(position, head) scales, half the memory and bandwidth
     # (CUDA only; ~2x the sessions per GPU; see docs/PERFORMANCE.md for its measured error).
     kv_cache: str = "auto"
+    # LM weights: "auto" = as the checkpoint stores them (bf16; fp8 for a copy written by
+    # convert_checkpoint.py --target torch-fp8); "fp8" = the projections and FFNs quantized to
+    # float8 e4m3 at load: the 7B model in ~9 GB instead of ~17 (torch backend; error figures
+    # in docs/PERFORMANCE.md; speech quality with real weights not yet measured).
+    weights: str = "auto"
     # torch.compile the GPU fast path's layer blocks: auto = on for CUDA, off on CPU (where
     # the eager path is the exact reference); compiling adds a minute or two to start-up.
     compile: str = "auto"
@@ -160,6 +166,9 @@ class Settings:
         if self.kv_cache not in KV_CACHE_MODES:
             raise SettingsError(f"{env_name('kv_cache')} must be one of {', '.join(KV_CACHE_MODES)}, "
                                 f"got {self.kv_cache!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise SettingsError(f"{env_name('weights')} must be one of {', '.join(WEIGHT_MODES)}, "
+                                f"got {self.weights!r}")
         for name in ("frames_per_delta", "first_message_timeout_s", "idle_timeout_s",
                      "ready_wait_s", "max_event_bytes", "max_native_message_bytes", "max_pending_input_bytes",
                      "max_output_buffer_bytes", "close_timeout_s"):
@@ -183,6 +192,9 @@ class Settings:
         self._check_checkpoint()
         if self.backend not in BACKENDS:
             raise SettingsError(f"{env_name('backend')} must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "trtllm" and self.weights != "auto":
+            raise SettingsError(f"{env_name('weights')}={self.weights} needs {env_name('backend')}=torch (a "
+                                "TensorRT-LLM engine's weight precision is fixed when it is built)")
         if self.backend == "trtllm" and self.checkpoint is None:
             raise SettingsError(f"{env_name('backend')}=trtllm needs {env_name('checkpoint')} set to a build "
                                 "directory written by convert_checkpoint.py")
@@ -226,7 +238,8 @@ class Settings:
         """What ``engines.factory.create_engine`` takes, besides the checkpoint, for the
         engine of ``device``."""
         return dict(max_slots=self.resolved_max_sessions(device), device=device, backend=self.backend,
-                    window=self.window, kv_cache=self.kv_cache, compile=self.compile, voice_dir=self.voice_dir)
+                    window=self.window, kv_cache=self.kv_cache, compile=self.compile, weights=self.weights,
+                    voice_dir=self.voice_dir)
 
     def tick_policy_object(self) -> WindowPolicy | PacedPolicy:
         """The scheduler's tick policy, as these settings configure it."""
@@ -309,8 +322,8 @@ class Settings:
 
         On a GPU: (total memory - checkpoint size on disk) * 0.9 / ``session_memory_gb``
         (by default the KV window of the ``kv_cache`` mode), clamped to [1, 128]; a
-        ``random:`` checkpoint counts as the size of the real one.  On CPU the demo default
-        of 8.
+        ``random:`` checkpoint counts as the size of the real one, and weights quantized at
+        load (``weights`` = fp8) as what they become.  On CPU the demo default of 8.
         """
         if self.max_sessions is not None:
             return self.max_sessions
@@ -328,13 +341,23 @@ class Settings:
         return max(1, min(DERIVED_MAX_SESSIONS_CAP, int(budget // (per_session * 2**30))))
 
     def _checkpoint_bytes(self) -> int:
-        """Device memory the weights take, as the checkpoint's size on disk."""
+        """Device memory the weights take: the checkpoint's size on disk, less what fp8
+        weights quantized at load save (a byte per fp8 parameter; the share of them as in the
+        7B model, whose shapes every Moshi-family checkpoint shares in proportion)."""
         if self.checkpoint is None:
             return 0
         random_model = random_model_name(self.checkpoint)
         if random_model is not None:
-            return RANDOM_MODEL_BYTES[random_model]
-        return _dir_bytes(Path(self.checkpoint))
+            on_disk = RANDOM_MODEL_BYTES[random_model]
+        else:
+            on_disk = _dir_bytes(Path(self.checkpoint))
+            if self.weights == "auto" or is_fp8_checkpoint(Path(self.checkpoint)):
+                return on_disk
+        if self.weights != "fp8":
+            return on_disk
+        total, quantized = LMConfig().parameter_counts()
+        lm_bytes = on_disk if random_model is not None else _lm_file_bytes(Path(self.checkpoint))
+        return on_disk - int(lm_bytes * quantized / total / 2)
 
 
 def parse_devices(items: tuple[str, ...]) -> list[str]:
@@ -415,6 +438,13 @@ def _coerce(name: str, type_name: Any, raw: Any) -> Any:
 
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _lm_file_bytes(path: Path) -> int:
+    try:
+        return (path / LM_FILE).stat().st_size
+    except OSError:
+        return 0
 
 
 def _build_max_sessions(build_dir: Path) -> int:

@@ -340,6 +340,16 @@ async def works(client: Client) -> None:
     await client.wait_closed()
 
 
+async def streams(server: "Server", frames: int) -> None:
+    """A new greedy session on ``server`` gets ``frames`` frames of audio back, then closes."""
+    client = await Client.connect(server.ws + "/v1/realtime?duplex=1")
+    await client.open(temperature=0)
+    for frame in speech_frames(frames):
+        await client.send(f32_append(frame))
+    await client.wait_audio_frames(frames)
+    await client.close()
+
+
 class StreamingWitness:
     """A session streaming real speech at real time (one frame every 80 ms) from its own task,
     recording when each audio delta arrives: while something else is done to the server, its

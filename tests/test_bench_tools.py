@@ -16,7 +16,9 @@ RESULT = Path(__file__).resolve().parents[1] / "docs" / "results" / "2026-12-01-
 def test_bench_configs_parse_and_reject_unknown_variants():
     assert BenchConfig.parse("fp8+compile") == BenchConfig("fp8+compile", "fp8", True)
     assert BenchConfig.parse("bf16") == BenchConfig("bf16", "auto", False)
-    for bad in ("fp16", "bf16+fast", "fp8+compile+x"):
+    assert BenchConfig.parse("fp8w+fp8+compile") == BenchConfig("fp8w+fp8+compile", "fp8", True, "fp8", "auto")
+    assert BenchConfig.parse("fp8w-w8a16") == BenchConfig("fp8w-w8a16", "auto", False, "fp8", "w8a16")
+    for bad in ("fp16", "bf16+fast", "fp8+compile+x", "bf16+fp8", "fp8w+fp8w-w8a16", "compile+compile", ""):
         with pytest.raises(ValueError, match="bad config"):
             BenchConfig.parse(bad)
 

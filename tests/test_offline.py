@@ -50,6 +50,23 @@ def test_offline_writes_audio_of_input_length_and_per_frame_text(tmp_path, tiny_
     assert np.array_equal(read_audio(again[1]), pcm)
 
 
+def test_fp8_weights_flag(tmp_path, tiny_checkpoint, speech_clip, capsys):
+    """``--weights fp8`` loads the quantized model (its greedy audio is not the default's; the
+    engine's own numerics are tests/test_fp8_weights.py's) and other values are refused."""
+    runs = []
+    for weights in ("auto", "fp8"):
+        (tmp_path / weights).mkdir()
+        code, out_wav, out_json = run_cli(tmp_path / weights, tiny_checkpoint, "--greedy", "--weights", weights,
+                                          input_wav=speech_clip)
+        assert code == 0
+        runs.append(read_audio(out_wav))
+    assert runs[1].shape == runs[0].shape and np.isfinite(runs[1]).all() and runs[1].std() > 1e-3
+    assert not np.array_equal(runs[0], runs[1])
+    with pytest.raises(SystemExit):
+        run_cli(tmp_path, tiny_checkpoint, "--weights", "int4", input_wav=speech_clip)
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
 def test_other_rates_and_stereo_are_resampled_and_reduced_to_the_first_channel(tmp_path, tiny_checkpoint, speech_pcm):
     import sphn
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.orch_support import REPO, Client, Server, f32_append, run, speech_frames
+from tests.orch_support import REPO, Client, Server, f32_append, run, speech_frames, streams
 
 MAX_SESSIONS = 3
 
@@ -142,15 +142,7 @@ def test_an_engine_killed_is_replaced_and_its_sessions_are_told(two_workers: Ser
     assert engine["engine_pid"] != old_pid and engine["free_slots"] == MAX_SESSIONS
     assert server.metric('personaplex_engine_restarts_total{device="cpu"}') == 1
 
-    async def streams_again():
-        client = await Client.connect(server.ws + "/v1/realtime?duplex=1")
-        await client.open(temperature=0)
-        for frame in speech_frames(4):
-            await client.send(f32_append(frame))
-        await client.wait_audio_frames(4)
-        await client.close()
-
-    run(streams_again())
+    run(streams(server, 4))
 
 
 @pytest.mark.parametrize("launcher", ["personaplex"])

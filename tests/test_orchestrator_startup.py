@@ -53,6 +53,7 @@ BAD_SETTINGS = [
      "PERSONAPLEX_CHECKPOINT='/nonexistent/ckpt' is neither a directory nor a Hugging Face repo id"),
     ({"PERSONAPLEX_VOICE_DIR": "/nonexistent/voices"}, "PERSONAPLEX_VOICE_DIR='/nonexistent/voices' is not a directory"),
     ({"PERSONAPLEX_AUTH": "required"}, "PERSONAPLEX_AUTH=required but no API keys are configured"),
+    ({"PERSONAPLEX_WEIGHTS": "int4"}, "PERSONAPLEX_WEIGHTS must be one of auto, fp8, got 'int4'"),
     ({"PERSONAPLEX_DEVICE": "cuda"}, "PERSONAPLEX_DEVICE=cuda but CUDA is not available here"),
 ]
 

@@ -35,7 +35,8 @@ def main() -> None:
     config = BenchConfig.parse(args.config)
     tok = Path(tempfile.mkdtemp()) / "tok.model"
     train_tokenizer(tok)
-    engine = build_random_engine(args.batch, "cuda", tok, kv_cache=config.kv_cache, compile=config.compile)
+    engine = build_random_engine(args.batch, "cuda", tok, kv_cache=config.kv_cache, compile=config.compile,
+                                 weights=config.weights, fp8_matmul=config.fp8_matmul)
     base = build_prefill(engine.lm, typical_voice(engine.cfg), list(range(100, 200)), engine.options.window,
                          engine.kv.capacity)
     prefill = full_window_prefill(engine, base)

@@ -7,8 +7,9 @@ reads.  Which weights: the temporal transformer's and the depformer's projection
 step and output channel).  Embeddings, norms and the output heads keep the model dtype.
 
 The reference computation (the CPU, and GPUs without fp8 GEMMs) is W8A16: dequantize to the
-activations' dtype, then the usual product (``Fp8Weight.dequantize``).  This module is the
-format and that path; the engine does not use it yet.
+activations' dtype, then the usual product (``Fp8Weight.dequantize``); Hopper runs fp8 GEMMs
+(``layers.linear``).  In a ``MoshiLM`` state dict a quantized weight NAME is two entries:
+NAME (the fp8 data) and NAME_scale (``fp8_state_entries``).
 """
 
 from __future__ import annotations
@@ -63,3 +64,32 @@ def quantize_lm_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator
     as they come, so a checkpoint streamed through it never holds two copies in memory."""
     for name, tensor in tensors:
         yield name, quantize_weight(tensor) if is_quantized(name) else tensor
+
+
+_SCALE_SUFFIX = "_scale"
+
+
+def scale_name(name: str) -> str:
+    """The state-dict name of the scales of the fp8 weight ``name`` (``MoshiLM``'s layout)."""
+    return name + _SCALE_SUFFIX
+
+
+def fp8_dtype_of(name: str) -> torch.dtype | None:
+    """The dtype of the state-dict entry ``name`` of an fp8 model: fp8 data, float32 scales,
+    or None for a weight in the model dtype."""
+    if is_quantized(name):
+        return FP8_DTYPE
+    if name.endswith(_SCALE_SUFFIX) and is_quantized(name.removesuffix(_SCALE_SUFFIX)):
+        return torch.float32
+    return None
+
+
+def fp8_state_entries(
+        tensors: Iterable[tuple[str, torch.Tensor | Fp8Weight]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``quantize_lm_tensors``' output as ``MoshiLM`` state-dict entries."""
+    for name, value in tensors:
+        if isinstance(value, Fp8Weight):
+            yield name, value.data
+            yield scale_name(name), value.scale
+        else:
+            yield name, value
