@@ -26,79 +26,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 
-from .config import FRAME_SAMPLES, LMConfig, MimiConfig
-from .engine import EngineOptions, PersonaPlexEngine
+from .config import FRAME_SAMPLES, LMConfig
+from .engine import PersonaPlexEngine
 from .interface import SamplingParams, SessionSpec, to_completion
-from .lm import MoshiLM
-from .mimi import MimiCodec
-from .modules.fp8_weights import fp8_state_entries, quantize_lm_tensors
-from .modules.kv_ring import WindowMode
-from .modules.layers import fp8_matmul_for
 from .prefill import Prefill, build_prefill
-from .tokenizer import TextTokenizer
-from .voices import VoicePrompt, VoiceStore, random_voice_data
+from .random_model import build_random_engine, fill_random_
+from .voices import VoicePrompt, random_voice_data
 
 log = logging.getLogger("engines.bench")
-
-
-def _fill_random_(module: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name or "layer_scale" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-
-
-def random_lm(cfg: LMConfig, steps: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
-              fp8_matmul: str | None = None) -> MoshiLM:
-    """Random weights at ``cfg``'s shapes; ``fp8_matmul``: then quantized to fp8 as a
-    checkpoint's are at load (``EngineOptions.weights``)."""
-    with torch.device("meta"):
-        lm = MoshiLM(cfg, steps)
-    lm = lm.to(dtype=dtype).to_empty(device=device)
-    _fill_random_(lm, seed)
-    if fp8_matmul is None:
-        return lm.eval()
-    with torch.device("meta"):
-        quantized = MoshiLM(cfg, steps, fp8_matmul)
-    entries = fp8_state_entries(quantize_lm_tensors(lm.state_dict().items()))
-    quantized.load_state_dict(dict(entries), strict=True, assign=True)
-    return quantized.eval()
-
-
-def random_mimi(cfg: MimiConfig, num_slots: int, device: torch.device, seed: int = 1) -> MimiCodec:
-    mimi = MimiCodec(cfg, num_slots, device=device)
-    _fill_random_(mimi, seed)
-    return mimi.eval()
-
-
-def build_random_engine(num_slots: int, device: str, tokenizer_path: Path, steps: int = 8,
-                        lm_cfg: LMConfig = LMConfig(), mimi_cfg: MimiConfig = MimiConfig(),
-                        cuda_graphs: bool = True, kv_cache: str = "auto", compile: bool = False,
-                        weights: str = "auto", fp8_matmul: str = "auto", window: str = WindowMode.REFERENCE, voice_names: Sequence[str] = (),
-                        model_name: str = "random-7b-shapes", is_demo: bool = False) -> PersonaPlexEngine:
-    """An engine with random weights at ``lm_cfg`` / ``mimi_cfg`` shapes (the benchmark's, and
-    the server's ``PERSONAPLEX_CHECKPOINT=random:...``); ``voice_names`` get random prompts of
-    the real format."""
-    dev = torch.device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    lm = random_lm(lm_cfg, steps, dev, dtype, fp8_matmul=fp8_matmul_for(dev, fp8_matmul) if weights == "fp8" else None)
-    mimi = random_mimi(mimi_cfg, num_slots + 1, dev)
-    voices = VoiceStore(None, None, None, lm_cfg.dim, lm_cfg.num_streams)
-    for i, name in enumerate(voice_names):
-        voices.register(name, random_voice_data(lm_cfg.dim, lm_cfg.initial_tokens(), seed=100 + i))
-    return PersonaPlexEngine(lm, mimi, TextTokenizer(tokenizer_path), voices, num_slots,
-                             EngineOptions(device=device, window=window, depformer_steps=steps,
-                                           cuda_graphs=cuda_graphs, kv_cache=kv_cache, compile=compile,
-                                           weights=weights, fp8_matmul=fp8_matmul),
-                             model_name=model_name, is_demo=is_demo)
 
 
 def typical_voice(cfg: LMConfig, frames: int = 60, seed: int = 2) -> VoicePrompt:
@@ -129,14 +68,14 @@ def bench_ours(engine: PersonaPlexEngine, batch_sizes: list[int], ticks: int, wa
     results = []
     spec = SessionSpec(sampling=SamplingParams(greedy=True), seed=0)
     for B in batch_sizes:
-        for slot in list(engine._specs):
+        for slot in engine.open_slots():
             engine.close_slot(slot)
         try:
             results.append(_bench_one(engine, B, spec, ticks, warmup, prefill, speech))
         except torch.cuda.OutOfMemoryError:
             log.warning("ours B=%d: out of GPU memory", B)
             results.append({"batch": B, "error": "out of memory"})
-    for slot in list(engine._specs):
+    for slot in engine.open_slots():
         engine.close_slot(slot)
     return results
 
@@ -279,7 +218,7 @@ def bench_baseline(batch_sizes: list[int], ticks: int, warmup: int, speech: np.n
     with torch.device("meta"):
         lm = LMModel(dtype=torch.bfloat16, **kwargs)
     lm = lm.to_empty(device="cuda")
-    _fill_random_(lm, 3)
+    fill_random_(lm, 3)
     lm.eval()
     mimi = loaders.get_mimi(None, device="cuda")
     results = []

@@ -14,9 +14,10 @@ import logging
 import sys
 from pathlib import Path
 
+from .config import FRAME_MS  # one frame of audio: a tick slower than this cannot keep up
+
 log = logging.getLogger("engines.bench_plot")
 
-FRAME_MS = 80.0  # one frame of audio: a tick slower than this cannot keep up
 P99_TARGET_MS = 60.0  # spec/performance.md
 
 

@@ -30,6 +30,27 @@ DEFAULT_PERSONA = (
 DEFAULT_VOICE = "NATF2.pt"
 # Temporal KV cache storage: the model's dtype, or float8 with per-(position, head) scales.
 KV_CACHE_MODES = ("auto", "fp8")
+# Weight and activation dtypes a TensorRT-LLM build may use (convert_checkpoint.py --dtype).
+BUILD_DTYPES = ("bfloat16", "float16", "float32")
+# The engines a server can run: the PyTorch one, or a TensorRT-LLM build (engines/trtllm).
+BACKENDS = ("torch", "trtllm")
+
+
+class WindowMode:
+    """How many past keys a streaming query sees once the ring has wrapped."""
+
+    REFERENCE = "reference"  # NVIDIA's moshi fork: capacity - 1 keys for a 1-token call
+    FULL = "full"  # upstream Kyutai moshi 0.2.13: capacity keys
+    ALL = (REFERENCE, FULL)
+
+
+def kv_window_bytes(num_layers: int, num_heads: int, capacity: int, head_dim: int, element_bytes: int,
+                    fp8: bool) -> int:
+    """Device bytes of one session's temporal KV window: keys and values of ``capacity``
+    positions, in elements of ``element_bytes``, or in fp8 with a float32 scale per
+    (position, head) (``modules.kv_ring``)."""
+    positions = num_layers * num_heads * capacity
+    return 2 * positions * ((head_dim + 4) if fp8 else head_dim * element_bytes)
 # LM weight storage: the model's dtype, or fp8 projections and FFNs (engines.modules.fp8_weights).
 WEIGHT_MODES = ("auto", "fp8")
 # torch.compile of the GPU pieces: on, off, or on for CUDA devices only.
@@ -59,6 +80,8 @@ def default_cache_dir() -> Path:
 SAMPLE_RATE = 24000
 FRAME_RATE = 12.5
 FRAME_SAMPLES = 1920  # 80 ms at 24 kHz
+FRAME_PERIOD_S = FRAME_SAMPLES / SAMPLE_RATE  # the model's step: everything real-time is paced by it
+FRAME_MS = 80
 
 
 class ConfigError(ValueError):

@@ -1,17 +1,15 @@
 """The PyTorch engine: a fixed pool of session slots advanced in batched lockstep.
 
-A tick for slots [B] is: Mimi-encode each slot's 80 ms of user audio -> teacher-force the
-user codes into each slot's token ring -> one temporal transformer step for all B -> text
-sample -> depformer (8 agent codebooks by default) -> Mimi-decode the de-delayed agent
-frame.  Every piece of per-session state (KV ring, token ring, Mimi state, RNG counter,
-sampling settings) is a tensor indexed by slot, so any subset of slots can advance together
-and resetting one slot touches no other.
+The tick is the shared runtime's (``engines.runtime``); this backend runs the temporal
+transformer itself, over a ``SlotKVRing``, prepares system prompts with the split prefill,
+and on CUDA replays whole ticks from CUDA graphs.  Every piece of per-session state (KV
+ring, token ring, Mimi state, RNG counter, sampling settings) is a tensor indexed by slot,
+so any subset of slots can advance together and resetting one slot touches no other.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,20 +17,39 @@ import numpy as np
 import torch
 
 from . import progress
-from .checkpoint import CheckpointFiles, SafetensorsReader, is_fp8_copy, iter_fp8_copy_tensors, iter_lm_tensors
+from .checkpoint import (
+    CheckpointFiles,
+    SafetensorsReader,
+    is_fp8_copy,
+    iter_fp8_copy_tensors,
+    iter_lm_tensors,
+)
 from .compiled import compile_dynamic
-from .config import FRAME_SAMPLES, KV_CACHE_MODES, WEIGHT_MODES
-from .interface import EngineInfo, FrameOutput, NoFreeSlot, Pieces, SessionSpec, to_completion
+from .config import KV_CACHE_MODES, SINE_TOKENS, TEXT_PAD_ID, WEIGHT_MODES
+from .interface import EngineInfo, Pieces, SessionSpec, to_completion
 from .lm import MoshiLM
 from .mimi import MimiCodec
 from .modules.fp8_weights import fp8_state_entries, quantize_lm_tensors
 from .modules.kv_ring import SlotKVRing, WindowMode
 from .modules.layers import fp8_matmul_for
-from .prefill import (PREFILL_CHUNK, Prefill, PrefillCache, plan_prompt, prefill_pieces, prompt_frames, prompt_pass,
-                      voice_replay_frame)
-from .profiling import StageClock
-from .sampling import STATIC_TOP_K, SamplingBatch, exponential_noise, sample_tokens, stream_salt
-from .token_state import TokenState
+from .prefill import (
+    PREFILL_CHUNK,
+    Prefill,
+    PrefillCache,
+    plan_prompt,
+    prefill_pieces,
+    prompt_frames,
+    prompt_pass,
+    voice_replay_frame,
+)
+from .runtime import EngineRuntime
+from .sampling import (
+    STATIC_TOP_K,
+    SamplingBatch,
+    exponential_noise,
+    sample_tokens,
+    stream_salt,
+)
 from .tokenizer import TextTokenizer
 from .voices import VoiceStore
 
@@ -91,51 +108,7 @@ def _sample_static(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return sample_tokens(logits, SamplingBatch(temperature, top_k, greedy), noise, k_max=STATIC_TOP_K)
 
 
-class _SlotSettings:
-    """Per-slot sampling settings and RNG state as tensors (gathered per tick)."""
-
-    def __init__(self, num_slots: int, device: torch.device) -> None:
-        f32 = dict(device=device, dtype=torch.float32)
-        i64 = dict(device=device, dtype=torch.long)
-        self.temp_text = torch.zeros(num_slots, **f32)
-        self.temp_audio = torch.zeros(num_slots, **f32)
-        self.topk_text = torch.ones(num_slots, **i64)
-        self.topk_audio = torch.ones(num_slots, **i64)
-        self.greedy = torch.ones(num_slots, device=device, dtype=torch.bool)
-        self.seed = torch.zeros(num_slots, **i64)
-        self.counter = torch.zeros(num_slots, **i64)
-
-    def set(self, slot: int, spec: SessionSpec) -> None:
-        s = spec.sampling
-        self.temp_text[slot] = s.temp_text
-        self.temp_audio[slot] = s.temp_audio
-        # Wider top-k than the graphs' static width samples from that width (see sampling).
-        self.topk_text[slot] = min(s.topk_text, STATIC_TOP_K)
-        self.topk_audio[slot] = min(s.topk_audio, STATIC_TOP_K)
-        self.greedy[slot] = s.greedy
-        seed = spec.seed if spec.seed is not None else secrets.randbits(62)
-        self.seed[slot] = int(seed) & ((1 << 63) - 1)
-        self.counter[slot] = 0
-
-    def batch(self, slots: torch.Tensor, text: bool) -> SamplingBatch:
-        """The settings of ``slots`` for a text (``text``) or audio stream."""
-        return SamplingBatch(
-            temperature=(self.temp_text if text else self.temp_audio)[slots],
-            top_k=(self.topk_text if text else self.topk_audio)[slots],
-            greedy=self.greedy[slots],
-        )
-
-    def sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
-        """Draw ``stream``'s tokens for ``slots`` with data-dependent shapes (no graph capture):
-        the noise is only drawn when some slot samples."""
-        batch = self.batch(slots, text)
-        noise = None
-        if not bool(batch.greedy.all()):
-            noise = exponential_noise(self.seed[slots], self.counter[slots], stream, logits.shape[-1])
-        return sample_tokens(logits, batch, noise)
-
-
-class PersonaPlexEngine:
+class PersonaPlexEngine(EngineRuntime):
     def __init__(
         self,
         lm: MoshiLM,
@@ -147,27 +120,13 @@ class PersonaPlexEngine:
         model_name: str = "personaplex",
         is_demo: bool = False,
     ) -> None:
-        if num_slots < 1:
-            raise ValueError("num_slots must be >= 1")
         cfg = lm.cfg
-        self.cfg = cfg
-        self.lm = lm
-        self.mimi = mimi
-        self.tokenizer = tokenizer
-        self.voice_store = voices
+        # The scratch slot (the last): tick graphs pad with it, voices are built in it.
+        super().__init__(cfg, lm, mimi, tokenizer, voices, num_slots, lm.device, options.window, scratch=True)
         self.options = options
-        self.device = lm.device
-        self.num_slots = num_slots
-        # One extra slot (the last) is scratch space: tick graphs pad with it, voices are built in it.
-        self.scratch = num_slots
         self.kv = SlotKVRing(cfg.num_layers, num_slots + 1, cfg.num_heads, cfg.context, cfg.head_dim,
                              device=self.device, dtype=lm.dtype, fp8=options.kv_cache == "fp8")
-        self.tokens = TokenState(cfg, num_slots + 1, device=self.device)
-        self.settings = _SlotSettings(num_slots + 1, self.device)
         self.prefills = PrefillCache(options.prefill_cache_entries, options.prefill_cache_bytes)
-        self._specs: dict[int, SessionSpec] = {}
-        self._free = list(range(num_slots))
-        self.clock = StageClock()  # per-stage timing for benchmarks (GPU only)
         # Accelerators sample with static shapes and no host sync (graph capture); the CPU
         # path keeps the cheaper data-dependent sampling.
         self._static_sampling = self.device.type == "cuda"
@@ -243,16 +202,7 @@ class PersonaPlexEngine:
         voices = VoiceStore(files.voices_dir, files.root, files.voices_archive, cfg.dim, cfg.num_streams)
         return cls(lm, mimi, tokenizer, voices, num_slots, options, model_name=files.name, is_demo=is_demo)
 
-    # Engine interface ---------------------------------------------------------------------
-    def voices(self) -> list[str]:
-        return self.voice_store.names()
-
-    def validate(self, spec: SessionSpec) -> None:
-        self.voice_store.check(spec.voice)
-
-    def prepare(self, spec: SessionSpec) -> Prefill:
-        return to_completion(self.prepare_in_pieces(spec))
-
+    # The backend ------------------------------------------------------------------------------
     def prepare_in_pieces(self, spec: SessionSpec) -> Pieces[Prefill]:
         """The prefill of ``spec`` from the cache, or computed ``options.prefill_chunk``
         prompt positions per piece (the first piece also validates, tokenizes and plans; for a
@@ -277,39 +227,32 @@ class PersonaPlexEngine:
                      spec.voice, len(persona), prefill.positions)
         return prefill
 
-    def open_slot(self, spec: SessionSpec, prefill: Prefill | None = None) -> int:
-        """``prefill``: ``prepare``'s result (benchmarks also fill windows this way)."""
-        if prefill is None:
-            prefill = self.prepare(spec)
-        if not self._free:
-            raise NoFreeSlot(f"all {self.num_slots} session slots are in use")
-        slot = self._free.pop(0)
+    def encode_voice(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
+        """A voice prompt from 80 ms frames [N, 1920] of a speaker (``voices.build_voice_prompt``
+        prepares them): each frame Mimi-encoded and forced as the agent's audio, with PAD text
+        and the sine on the user's side, through the scratch slot.  Returns NVIDIA's ``.pt``
+        contents: the model's input embeddings [N-1, 1, 1, D] in bf16 and the token ring
+        [1, 17, 4]."""
+        cfg = self.cfg
+        slot = self.scratch
+        idx = torch.tensor([slot], device=self.device)
+        forced = torch.zeros(1, cfg.num_streams, dtype=torch.long, device=self.device)
+        forced[0, 0] = TEXT_PAD_ID
+        forced[0, 1 + cfg.audio_codebooks :] = torch.tensor(SINE_TOKENS)
+        mask = torch.ones_like(forced, dtype=torch.bool)
+        captured: list[torch.Tensor] = []
+        self._reset(slot)
         try:
-            self._specs[slot] = spec
-            self.settings.set(slot, spec)
-            self._install(slot, prefill)
-        except BaseException:
-            self._give_back(slot)  # whatever failed, the slot is not lost
-            raise
-        return slot
-
-    def restart_slot(self, slot: int, prefill: Prefill | None = None) -> None:
-        spec = self._spec(slot)
-        self._install(slot, prefill if prefill is not None else self.prepare(spec))
-
-    def close_slot(self, slot: int) -> None:
-        self._spec(slot)
-        self._give_back(slot)
-
-    def _give_back(self, slot: int) -> None:
-        """Return ``slot`` to the free list, wiped now rather than on the next open: nothing of
-        its session stays reachable.  The slot is free even if the wipe raises."""
-        self._specs.pop(slot, None)
-        try:
-            self._reset(slot)
+            with torch.inference_mode():
+                for frame in frames:
+                    codes = self.mimi.encode_step(idx, torch.from_numpy(frame).to(self.device).view(1, -1))
+                    forced[0, 1 : 1 + cfg.audio_codebooks] = codes[0]
+                    self.lm_call(idx, forced, mask, capture=captured)
+                cache = self.tokens.cache[slot].clone()
         finally:
-            self._free.append(slot)
-            self._free.sort()
+            self._reset(slot)
+        embeddings = torch.stack([c.reshape(1, 1, -1) for c in captured]).to(torch.bfloat16).cpu()
+        return {"embeddings": embeddings, "cache": cache.unsqueeze(0).cpu()}
 
     def capture_graphs(self) -> None:
         """Capture the tick graph of every batch bucket and the prefill graph of every prompt
@@ -331,107 +274,28 @@ class PersonaPlexEngine:
                 return self.lm.embed_tokens(tokens[:, : end - start])[0]
             to_completion(prompt_pass(self.lm, embed, length, self.options.window, self.kv.capacity, chunk))
 
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def step(self, slots: Sequence[int], pcm: np.ndarray) -> list[FrameOutput]:
-        if len(slots) == 0:
-            return []
-        self.clock.host_start()
-        pcm = np.asarray(pcm, dtype=np.float32)
-        if pcm.shape != (len(slots), FRAME_SAMPLES):
-            raise ValueError(f"pcm must have shape ({len(slots)}, {FRAME_SAMPLES}), got {pcm.shape}")
-        for s in slots:
-            self._spec(s)
-        if len(set(slots)) != len(slots):
-            raise ValueError("a slot may appear only once per step")
+    def run_tick(self, slots: Sequence[int], pcm: np.ndarray) -> tuple[np.ndarray, list[int]]:
         if self.graphs is not None:
-            audio, text_ids = self.graphs.run(list(slots), pcm)
-        else:
-            idx = torch.tensor(list(slots), device=self.device, dtype=torch.long)
-            with torch.inference_mode():
-                self.clock.start()
-                agent_pcm, text = self.live_tick(idx, torch.from_numpy(pcm).to(self.device))
-            text_ids = text.tolist()  # the tick's one host synchronisation
-            audio = agent_pcm.float().cpu().numpy()
-        outputs = [FrameOutput(audio[i], t, self.tokenizer.transcript_piece(t)) for i, t in enumerate(text_ids)]
-        self.clock.host_mark("outputs")
-        return outputs
+            return self.graphs.run(list(slots), pcm)
+        return super().run_tick(slots, pcm)
 
-    def live_tick(self, slots: torch.Tensor, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode -> LM -> depformer -> decode for live ``slots`` [B] with ``pcm`` [B, 1920].
-
-        Device tensors in and out (agent pcm [B, 1920], text ids [B]); no validation and no
-        host synchronisation, so it can be captured in a CUDA graph.
-        """
-        user_codes = self.mimi.encode_step_unchecked(slots, pcm)
-        self.clock.mark("mimi_encode")
-        out = self.step_tokens(slots, user_codes)
-        # Rows of the scratch slot (graph padding) may hold placeholder ids: clamp for Mimi.
-        agent = out[:, 1 : 1 + self.cfg.audio_codebooks].clamp(0, self.cfg.card - 1)
-        agent_pcm = self.mimi.decode_step_unchecked(slots, agent)
-        self.clock.mark("mimi_decode")
-        return agent_pcm, out[:, 0]
-
-    # Lower-level operations (also used by the offline CLI, voice builder and tests) ------------
-    def step_tokens(self, slots: torch.Tensor, user_codes: torch.Tensor) -> torch.Tensor:
-        """One live LM call: force ``user_codes`` [B, 8], return the emitted frames [B, 17]."""
-        cfg = self.cfg
-        B = slots.shape[0]
-        forced = torch.zeros(B, cfg.num_streams, dtype=torch.long, device=self.device)
-        mask = torch.zeros_like(forced, dtype=torch.bool)
-        half = cfg.audio_codebooks
-        forced[:, 1 + half :] = user_codes
-        mask[:, 1 + half :] = True
-        return self.lm_call(slots, forced, mask, live=True)
-
-    def lm_call(
-        self,
-        slots: torch.Tensor,
-        forced: torch.Tensor,
-        mask: torch.Tensor,
-        embeddings: torch.Tensor | None = None,
-        capture: list[torch.Tensor] | None = None,
-        live: bool = False,
-    ) -> torch.Tensor | None:
-        """One call of the PersonaPlex loop (model.md 3.2) for slots in the same phase.
-
-        ``forced``/``mask`` [B, 17] teacher-force this call's frame; ``embeddings`` [B, D]
-        replaces the token embedding of the input position (voice replay); the input
-        embedding of a model call is appended to ``capture`` when given (voice building).
-        ``live`` slots are past their system prompt: no phase checks, no host synchronisation.
-        """
-        self.tokens.force(slots, forced, mask)
-        if not live:
-            offsets = self.tokens.offset[slots]
-            if bool((offsets == 0).all()):
-                self.tokens.skip_call(slots)
-                return None
-            if bool((offsets == 0).any()):
-                raise RuntimeError("slots in different start-up phases cannot share a call")
-        model_input, target, target_forced = self.tokens.begin_call(slots)
-        if embeddings is None:
-            x = self.lm.embed_tokens(model_input.unsqueeze(1))
-        else:
-            x = embeddings.unsqueeze(1).to(self.lm.dtype)
-        if capture is not None:
-            capture.append(x)
+    def temporal_call(self, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.lm.temporal(slots, x, self.kv, self.options.window)[:, 0]
-        text = self._sample(slots, 0, self.lm.text_logits(hidden), text=True)
-        self.clock.mark("temporal")
-        text_in = torch.where(target_forced[:, 0], target[:, 0], text)
-        steps = self.lm.depformer_steps
-        audio = self.lm.depformer(
-            hidden, text_in, target[:, 1 : 1 + steps], target_forced[:, 1 : 1 + steps],
-            lambda k, logits: self._sample(slots, 1 + k, logits, text=False),
-            self.options.window,
-        )
-        self.settings.counter[slots] += 1
-        out = self.tokens.end_call(slots, text, audio, live=live)
-        self.clock.mark("depformer")
-        return out
+        return hidden, self.lm.text_logits(hidden)
 
-    def _sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
+    def install_context(self, slot: int, prefill: Prefill) -> None:
+        self.kv.install(slot, prefill.start, prefill.keys, prefill.values)
+
+    def release_context(self, slot: int) -> None:
+        self.kv.reset(torch.tensor([slot], device=self.device))
+
+    def encode_user(self, slots: torch.Tensor, pcm: torch.Tensor) -> torch.Tensor:
+        return self.mimi.encode_step_unchecked(slots, pcm)
+
+    def decode_agent(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        return self.mimi.decode_step_unchecked(slots, codes)
+
+    def sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
         st = self.settings
         if not self._static_sampling:
             return st.sample(slots, stream, logits, text)
@@ -439,30 +303,12 @@ class PersonaPlexEngine:
         noise = self._noise(st.seed[slots], st.counter[slots], self._salts[stream], logits.shape[-1])
         return self._sample_static(logits, batch.temperature, batch.top_k, batch.greedy, noise)
 
-    def _install(self, slot: int, prefill: Prefill) -> None:
-        self._reset(slot)
-        self.kv.install(slot, prefill.start, prefill.keys, prefill.values)
-        self.tokens.restore(slot, prefill.token_cache, prefill.token_provided, prefill.offset)
-
-    def _reset(self, slot: int) -> None:
-        idx = torch.tensor([slot], device=self.device)
-        self.kv.reset(idx)
-        self.tokens.reset(idx)
-        self.mimi.reset(idx)
-        self.settings.counter[slot] = 0
-
-    def _spec(self, slot: int) -> SessionSpec:
-        spec = self._specs.get(slot)
-        if spec is None:
-            raise ValueError(f"slot {slot} is not open")
-        return spec
-
     def prefill_stepwise(self, slot: int, spec: SessionSpec) -> None:
         """Run ``spec``'s system prompt frame by frame, as the reference does.
 
         Slow; exists to check the parallel prefill against the reference loop.
         """
-        self._spec(slot)
+        self.slots.spec(slot)
         self._reset(slot)
         voice = self.voice_store.load(spec.voice)
         persona = self.tokenizer.persona_tokens(spec.effective_persona)

@@ -5,14 +5,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from .config import BACKENDS, WindowMode
 from .interface import Engine
-from .modules.kv_ring import WindowMode
 from .random_weights import create_random_engine, random_model_name
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("torch", "trtllm")
-
 
 def create_torch_engine(
     checkpoint: str | Path | None,

@@ -232,3 +232,7 @@ class Engine(Protocol):
 
     def free_slots(self) -> int:
         """Number of slots that ``open_slot`` can still allocate."""
+
+    def capture_graphs(self) -> None:
+        """Do now, at start-up, the one-time work of first use (capturing and compiling the
+        GPU graphs of every batch size) that would otherwise stall live sessions later."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import DEFAULT_PERSONA, FRAME_SAMPLES, SAMPLE_RATE, WEIGHT_MODES
+from .config import DEFAULT_PERSONA, FRAME_SAMPLES, SAMPLE_RATE, WEIGHT_MODES, WindowMode
 from .errors import AudioInputError, CheckpointError
 from .interface import EngineError, SamplingParams, SessionSpec
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
     p.add_argument("--seed", type=int, default=-1, help="sampling seed (-1: random)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--window", choices=("reference", "full"), default="reference",
+    p.add_argument("--window", choices=WindowMode.ALL, default=WindowMode.REFERENCE,
                    help="attention window once it wraps: 'reference' reproduces NVIDIA's code exactly "
                    "(default), 'full' the upstream Kyutai one")
     p.add_argument("--depformer-steps", type=int, choices=(8, 16), default=8,
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> None:
 
     from .audio_io import read_audio, write_wav
     from .factory import create_torch_engine
-    from .voice_builder import build_voice_prompt
+    from .voices import build_voice_prompt
 
     if args.cpu_offload:
         raise ValueError("--cpu-offload is not supported by this implementation: use a GPU with ~17 GB free for "

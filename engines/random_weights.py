@@ -2,7 +2,7 @@
 
 What a tick costs does not depend on the weight values, so random weights measure capacity
 (sessions per GPU, tick times, memory) without downloading the gated checkpoint.  The
-engine is the benchmark's (``engines.bench.build_random_engine``): random bf16 weights on a
+engine is the benchmark's (``engines.random_model.build_random_engine``): random bf16 weights on a
 GPU (float32 on CPU), the tiny checkpoint's text tokenizer (pieces are only looked up) and
 the tiny checkpoint's voice names, each a random prompt of the real format at the model's
 width.  Its speech is noise.
@@ -44,7 +44,7 @@ def create_random_engine(name: str, *, max_slots: int, device: str, window: str,
     """A ``PersonaPlexEngine`` with random weights at ``name``'s shapes (see the module doc)."""
     from . import checkpoint as ckpt
     from . import progress
-    from .bench import build_random_engine
+    from .random_model import build_random_engine
     from .config import LMConfig, MimiConfig
     from .tiny import TINY_LM, TINY_MIMI, TINY_VOICES, ensure_tiny_checkpoint
 

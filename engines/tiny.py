@@ -240,7 +240,7 @@ def _write_voices_archive(path: Path, voices: dict[str, dict[str, torch.Tensor]]
 def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     """Write the tiny checkpoint into ``out_dir`` (created; must not hold a checkpoint)."""
     from .engine import EngineOptions, PersonaPlexEngine
-    from .voice_builder import build_voice_prompt
+    from .voices import build_voice_prompt
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

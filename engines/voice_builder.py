@@ -16,43 +16,13 @@ import logging
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .audio_io import frames_of, normalize_loudness, read_audio
-from .config import SINE_TOKENS, TEXT_PAD_ID
+from .audio_io import read_audio
 from .errors import AudioInputError, CheckpointError
+from .voices import build_voice_prompt
 
 log = logging.getLogger(__name__)
-
-MIN_VOICE_FRAMES = 2
-
-
-def build_voice_prompt(engine, pcm: np.ndarray) -> dict[str, torch.Tensor]:
-    """Voice ``.pt`` contents for 24 kHz mono ``pcm`` (loudness-normalised here)."""
-    pcm = normalize_loudness(np.asarray(pcm, dtype=np.float32))
-    frames = frames_of(pcm)
-    if frames.shape[0] < MIN_VOICE_FRAMES:
-        raise AudioInputError(f"voice audio must be at least {MIN_VOICE_FRAMES} frames (160 ms) long")
-    cfg = engine.cfg
-    slot = engine.scratch
-    idx = torch.tensor([slot], device=engine.device)
-    forced = torch.zeros(1, cfg.num_streams, dtype=torch.long, device=engine.device)
-    forced[0, 0] = TEXT_PAD_ID
-    forced[0, 1 + cfg.audio_codebooks :] = torch.tensor(SINE_TOKENS)
-    mask = torch.ones_like(forced, dtype=torch.bool)
-    captured: list[torch.Tensor] = []
-    engine._reset(slot)
-    with torch.inference_mode():
-        for frame in frames:
-            codes = engine.mimi.encode_step(idx, torch.from_numpy(frame).to(engine.device).view(1, -1))
-            forced[0, 1 : 1 + cfg.audio_codebooks] = codes[0]
-            engine.lm_call(idx, forced, mask, capture=captured)
-        cache = engine.tokens.cache[slot].clone()
-    engine._reset(slot)
-    # Stored like NVIDIA's files: bf16 embeddings [N-1, 1, 1, D] and the int64 ring [1, 17, 4].
-    embeddings = torch.stack([c.reshape(1, 1, -1) for c in captured]).to(torch.bfloat16).cpu()
-    return {"embeddings": embeddings, "cache": cache.unsqueeze(0).cpu()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from .errors import CheckpointError
+from .audio_io import frames_of, normalize_loudness
+from .errors import AudioInputError, CheckpointError
 from .interface import InvalidSessionSpec, PrefillUnavailable, check_voice_name, shown
 
 log = logging.getLogger(__name__)
@@ -177,3 +179,16 @@ class VoiceStore:
         if name in members:
             return members[name], f"{self.archive}:{name}"
         raise InvalidSessionSpec(f"unknown voice {shown(name)}; available: {', '.join(self.names()) or 'none'}")
+
+
+MIN_VOICE_FRAMES = 2
+
+
+def build_voice_prompt(engine, pcm: np.ndarray) -> dict[str, torch.Tensor]:
+    """Voice ``.pt`` contents for 24 kHz mono ``pcm`` of a speaker, loudness-normalised here as
+    NVIDIA's reference does (``engine``: a ``PersonaPlexEngine``, ``encode_voice``)."""
+    pcm = normalize_loudness(np.asarray(pcm, dtype=np.float32))
+    frames = frames_of(pcm)
+    if frames.shape[0] < MIN_VOICE_FRAMES:
+        raise AudioInputError(f"voice audio must be at least {MIN_VOICE_FRAMES} frames (160 ms) long")
+    return engine.encode_voice(frames)

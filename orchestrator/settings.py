@@ -21,7 +21,8 @@ from typing import Any, Mapping
 
 import tomllib
 
-from engines.config import COMPILE_MODES, KV_CACHE_MODES, LM_FILE, WEIGHT_MODES, LMConfig
+from engines.config import (BACKENDS, COMPILE_MODES, KV_CACHE_MODES, LM_FILE, WEIGHT_MODES, LMConfig, WindowMode,
+                            kv_window_bytes)
 from engines.hub import DEFAULT_REPO, parse_repo_ref
 from engines.random_weights import RANDOM_MODEL_BYTES, random_model_name
 from engines.weights_format import is_fp8_checkpoint
@@ -38,10 +39,15 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 CPU_DEFAULT_MAX_SESSIONS = 8
 # Upper bound of the derived default; the engine allocates one KV window per slot up front.
 DERIVED_MAX_SESSIONS_CAP = 128
-BACKENDS = ("torch", "trtllm")  # engines.factory.BACKENDS (not imported: no torch here)
-# One PersonaPlex-7B session's full temporal window (32 layers x 32 heads x 3000 x 128, K+V):
-# 1.57 GB in bf16; fp8 halves it and adds 4 bytes of scale per 128 (engines.modules.kv_ring).
-SESSION_MEMORY_GB = {"auto": 1.6, "fp8": 0.82}
+# A session's device memory: its full temporal KV window at the 7B shapes (1.46 GiB in bf16;
+# fp8 halves it and adds 4 bytes of scale per 128) and ~9 % more for the rest of its state
+# (token ring, Mimi's streaming state, sampling settings) and allocator slack: 1.6 / 0.82 GiB.
+SESSION_STATE_MARGIN = 1.09
+SESSION_MEMORY_GB = {
+    mode: kv_window_bytes(LMConfig().num_layers, LMConfig().num_heads, LMConfig().context, LMConfig().head_dim, 2,
+                          fp8=mode == "fp8") * SESSION_STATE_MARGIN / 2**30
+    for mode in KV_CACHE_MODES
+}
 
 
 AUTH_MODES = ("auto", "required", "off")
@@ -166,6 +172,9 @@ class Settings:
         if self.kv_cache not in KV_CACHE_MODES:
             raise SettingsError(f"{env_name('kv_cache')} must be one of {', '.join(KV_CACHE_MODES)}, "
                                 f"got {self.kv_cache!r}")
+        if self.window not in WindowMode.ALL:
+            raise SettingsError(f"{env_name('window')} must be one of {', '.join(WindowMode.ALL)}, "
+                                f"got {self.window!r}")
         if self.weights not in WEIGHT_MODES:
             raise SettingsError(f"{env_name('weights')} must be one of {', '.join(WEIGHT_MODES)}, "
                                 f"got {self.weights!r}")

@@ -265,7 +265,8 @@ def test_bad_inputs_exit_2_with_one_line(tiny_checkpoint, tmp_path, capsys):
 def test_cli_choices_are_the_converters():
     from engines.convert import cli
 
-    assert set(cli.DTYPES) == set(llama.DTYPES) and tuple(cli.KV_CACHE_DTYPES) == llama.KV_CACHE_DTYPES
+    choices = {action.dest: action.choices for action in cli.build_parser()._actions}
+    assert set(choices["dtype"]) == set(llama.DTYPES) and tuple(choices["kv_cache_dtype"]) == llama.KV_CACHE_DTYPES
 
 
 def test_command_line_entry_point(tmp_path):

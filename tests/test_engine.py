@@ -41,7 +41,7 @@ def run(engine, slots, inputs):
 
 
 def close_all(engine):
-    for slot in list(engine._specs):
+    for slot in engine.open_slots():
         engine.close_slot(slot)
 
 
@@ -214,7 +214,7 @@ def test_an_open_that_fails_after_taking_its_slot_gives_it_back(tiny_checkpoint,
         patch.setattr(owner, method, boom)
         with pytest.raises(RuntimeError, match="failed"):
             engine.open_slot(spec)
-    assert engine.free_slots() == 1 and not engine._specs
+    assert engine.free_slots() == 1 and engine.open_slots() == []
     again = run(engine, [engine.open_slot(spec)], speech_frames(speech_pcm, 1.0, 4)[None])[0]
     assert again[0] == expected[0] and np.array_equal(again[1], expected[1])
 

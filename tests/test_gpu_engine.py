@@ -100,7 +100,7 @@ def test_float32_fast_path_variants_against_cpu(tiny_checkpoint, frames, no_tf32
     forced = torch.cat([torch.randint(0, cfg.text_card, (n, 1), generator=g),
                         torch.randint(0, cfg.card, (n, cfg.num_streams - 1), generator=g)], dim=1)
     for engine in (cpu, gpu):
-        for slot in list(engine._specs):
+        for slot in engine.open_slots():
             engine.close_slot(slot)
     want = _tiny_logits(cpu, forced)
     got = _tiny_logits(gpu, forced.cuda()).cpu()

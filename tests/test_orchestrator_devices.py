@@ -312,16 +312,16 @@ def test_random_model_bytes_are_the_7b_parameter_bytes():
 
 
 def test_random_checkpoint_builds_through_the_benchmark_engine(monkeypatch: pytest.MonkeyPatch):
-    """create_engine("random:personaplex-7b") is engines.bench.build_random_engine at the 7B
+    """create_engine("random:personaplex-7b") is engines.random_model.build_random_engine at the 7B
     shapes with the tiny checkpoint's tokenizer and voice names (recorded, not built: 7B on CPU
     is too slow; random:tiny builds for real in the server test above)."""
-    from engines import bench
+    from engines import random_model
     from engines.config import LMConfig, MimiConfig
     from engines.factory import create_engine
     from engines.tiny import TINY_VOICES
 
     calls = []
-    monkeypatch.setattr(bench, "build_random_engine", lambda *args, **kwargs: calls.append((args, kwargs)) or "built")
+    monkeypatch.setattr(random_model, "build_random_engine", lambda *args, **kwargs: calls.append((args, kwargs)) or "built")
     assert create_engine("random:personaplex-7b", max_slots=3, device="cpu", kv_cache="auto", compile="auto") == "built"
     (args, kwargs), = calls
     assert args[:2] == (3, "cpu") and args[2].name == "tokenizer_spm_32k_3.model"

@@ -24,7 +24,7 @@ import torch
 
 from engines.factory import create_torch_engine
 from engines.tiny import ensure_tiny_checkpoint
-from engines.voice_builder import build_voice_prompt
+from engines.voices import build_voice_prompt
 from tests.hub_support import write_hub_cache
 from tests.orch_support import REPO, Client, Server, f32_append, run, speech, speech_frames
 

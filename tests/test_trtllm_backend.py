@@ -20,7 +20,7 @@ from engines.trtllm import BackendUnavailable, check_build
 from engines.trtllm.engine import TrtllmEngine, attention_window
 from engines.trtllm.layout import BuildLayout
 from engines.trtllm.prompt_table import CONTEXT, GENERATION, context_call, decode_call
-from engines.trtllm.slots import SlotKVBlocks, SlotPositions
+from engines.trtllm.kv_blocks import SlotKVBlocks, SlotPositions
 from engines.trtllm.temporal import TemporalRunner
 from orchestrator.settings import Settings, SettingsError
 from tests.trtllm_reference import LlamaReference, PagedExecutor
@@ -186,6 +186,34 @@ def test_tick_matches_the_pytorch_engine(build, tiny_checkpoint):
     trt.open_slot(specs[0])
     with pytest.raises(NoFreeSlot):
         trt.open_slot(specs[0])
+
+
+def test_an_install_that_fails_gives_the_slot_back(build, monkeypatch):
+    """The engine's context call for a new session raises: the caller hears it, the slot and
+    its block ring are free again, and the next open gets the slot."""
+    trt = TrtllmEngine.from_build(build, executor(build, 1), num_slots=1, device="cpu")
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("context call failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trt.temporal, "prefill", boom)
+        with pytest.raises(RuntimeError, match="context call failed"):
+            trt.open_slot(SessionSpec(voice="NATF2.pt"))
+    assert trt.free_slots() == 1 and trt.open_slots() == [] and trt.temporal.positions.length[0] == 0
+    assert trt.open_slot(SessionSpec(voice="NATF2.pt")) == 0
+
+
+def test_both_backends_run_one_tick():
+    """The tick, the slots' life cycle and the step are the shared runtime's; a backend only
+    says how its temporal transformer is called and holds a slot's context."""
+    from engines.runtime import EngineRuntime
+
+    shared = {"step", "live_tick", "step_tokens", "lm_call", "open_slot", "close_slot", "restart_slot", "_install",
+              "_reset"}
+    for backend in (PersonaPlexEngine, TrtllmEngine):
+        assert issubclass(backend, EngineRuntime) and not shared & set(vars(backend)), backend
+        assert {"temporal_call", "install_context", "release_context"} <= set(vars(backend))
 
 
 class ModuleGraph:

@@ -7,11 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
-log = logging.getLogger("convert_checkpoint")
+from ..config import BUILD_DTYPES, KV_CACHE_MODES  # torch-free: --help needs no torch
 
-# engines.convert.llama.DTYPES / KV_CACHE_DTYPES, spelled out so --help needs no torch.
-DTYPES = ("bfloat16", "float16", "float32")
-KV_CACHE_DTYPES = ("auto", "fp8")
+log = logging.getLogger("convert_checkpoint")
 
 TARGETS = ("trtllm", "torch-fp8")
 
@@ -79,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="trtllm", choices=TARGETS,
                    help="what to write: trtllm (default: TensorRT-LLM checkpoint, native parts, ONNX graphs) or "
                         "torch-fp8 (a checkpoint directory with fp8 LM weights for the PyTorch engine)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+    p.add_argument("--dtype", default="bfloat16", choices=BUILD_DTYPES,
                    help="engine weight and activation dtype (default: bfloat16)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_MODES,
                    help="temporal KV cache: auto (= --dtype) or fp8 (half the memory per session; "
                         "uncalibrated scale, see --kv-cache-scale)")
     p.add_argument("--kv-cache-scale", type=float, default=1.0,

@@ -27,12 +27,12 @@ from collections.abc import Iterator
 import torch
 
 from ..checkpoint import SafetensorsReader, lm_io_tensors, temporal_layer_tensors
-from ..config import LMConfig
+from ..config import BUILD_DTYPES, KV_CACHE_MODES, LMConfig
 from .safetensors_stream import TensorSpec
 
 ARCHITECTURE = "LlamaForCausalLM"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-KV_CACHE_DTYPES = ("auto", "fp8")
+DTYPES = {name: getattr(torch, name) for name in BUILD_DTYPES}
+KV_CACHE_DTYPES = KV_CACHE_MODES
 
 
 def half_split_order(head_dim: int) -> torch.Tensor:

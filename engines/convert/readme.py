@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 from ..trtllm.layout import BuildLayout, BuildMeta
-from ..trtllm.slots import blocks_per_slot
+from ..trtllm.kv_blocks import blocks_per_slot
 
 
 def trtllm_build_args(layout: BuildLayout, meta: BuildMeta) -> list[str]:

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ..bench import BenchConfig, build_random_engine, full_window_prefill, typical_voice
+from ..bench import BenchConfig, full_window_prefill, typical_voice
+from ..random_model import build_random_engine
 from ..interface import SamplingParams, SessionSpec
 from ..prefill import build_prefill
 from ..tiny import train_tokenizer

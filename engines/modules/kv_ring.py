@@ -29,17 +29,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..config import WindowMode, kv_window_bytes
 from ..compiled import compile_dynamic
 from ..gpu import attention as gpu_attention
 from .fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
-
-
-class WindowMode:
-    """How many past keys a streaming query sees once the ring has wrapped."""
-
-    REFERENCE = "reference"  # NVIDIA's moshi fork: capacity - 1 keys for a 1-token call
-    FULL = "full"  # upstream Kyutai moshi 0.2.13: capacity keys
-    ALL = (REFERENCE, FULL)
 
 
 def window_start(positions: torch.Tensor, call_end: torch.Tensor, capacity: int, mode: str) -> torch.Tensor:
@@ -71,10 +64,7 @@ def ring_positions(end: torch.Tensor, size: int) -> torch.Tensor:
 def kv_bytes_per_slot(num_layers: int, num_heads: int, capacity: int, head_dim: int,
                       dtype: torch.dtype, fp8: bool) -> int:
     """Device bytes one slot's keys + values (+ fp8 scales) take."""
-    positions = num_layers * num_heads * capacity
-    if fp8:
-        return 2 * positions * (head_dim + 4)
-    return 2 * positions * head_dim * torch.empty((), dtype=dtype).element_size()
+    return kv_window_bytes(num_layers, num_heads, capacity, head_dim, torch.empty((), dtype=dtype).element_size(), fp8)
 
 
 class SlotKVRing:

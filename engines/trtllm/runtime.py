@@ -23,7 +23,7 @@ import torch
 from .guard import BackendUnavailable, require_tensorrt, require_tensorrt_llm
 from .layout import BuildLayout, BuildMeta
 from .prompt_table import EngineCall
-from .slots import blocks_per_slot
+from .kv_blocks import blocks_per_slot
 
 log = logging.getLogger(__name__)
 

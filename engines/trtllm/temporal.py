@@ -16,7 +16,7 @@ import torch
 
 from .layout import BuildMeta
 from .prompt_table import EngineCall, context_call, decode_call
-from .slots import SlotKVBlocks, SlotPositions
+from .kv_blocks import SlotKVBlocks, SlotPositions
 
 
 class Executor(Protocol):

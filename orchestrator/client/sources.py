@@ -15,13 +15,11 @@ import numpy as np
 import soxr
 
 from engines.audio_io import frames_of, read_audio
+from engines.config import FRAME_PERIOD_S as FRAME_S
 from engines.config import FRAME_SAMPLES, SAMPLE_RATE
 from engines.errors import AudioInputError
 
 from ..protocol.audio import InputStream
-
-FRAME_S = FRAME_SAMPLES / SAMPLE_RATE
-
 
 class SourceError(Exception):
     """The input cannot be used (unreadable file, no sound device); the message says why."""

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from engines.config import FRAME_SAMPLES, SAMPLE_RATE
+from engines.config import FRAME_MS, FRAME_SAMPLES
 from engines.interface import shown
 
 from ..lockstep.scheduler import FrameFailure, FrameResult, TickScheduler
@@ -32,7 +32,6 @@ from ..settings import Settings
 
 log = logging.getLogger(__name__)
 
-FRAME_MS = FRAME_SAMPLES * 1000 // SAMPLE_RATE
 MAX_CLIENT_REASON_CHARS = 200  # of a session.close reason, echoed in session.closed
 _F32_FRAME_BYTES = FRAME_SAMPLES * 4
 _REFUSED_RESPONSE_OPTIONS = ("instructions", "voice", "temperature", "max_output_tokens",

@@ -23,7 +23,7 @@ from .acceptance import Thresholds
 from .lifecycle import RESULT_NAME as LIFECYCLE_RESULT
 from .lifecycle import run_lifecycle
 from .load import RESULT_NAME as LOAD_RESULT
-from .load import run_load
+from .run import run_load
 from .options import Options, OptionsError
 from .report import lifecycle_summary, load_summary
 

@@ -15,10 +15,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
 
-SAMPLE_RATE_HZ = 24_000
-FRAME_SAMPLES = 1_920  # one 80 ms model frame at 24 kHz
-FRAME_PERIOD_S = FRAME_SAMPLES / SAMPLE_RATE_HZ
-FRAME_MS = 80
+from engines.config import FRAME_MS, FRAME_PERIOD_S, FRAME_SAMPLES  # noqa: F401 - the driver's names for them
+from engines.config import SAMPLE_RATE as SAMPLE_RATE_HZ
+
 PCM16_BYTES = 2
 
 # The GA name and the legacy one; servers emit the first, clients must accept both.

@@ -385,9 +385,7 @@ class TickScheduler:
         # A GPU engine captures (and compiles) its tick per batch size on first use: seconds
         # that would stall every live session (and trip the watchdog) when the load first
         # grows.  Pay them all here, before /ready.
-        capture = getattr(engine, "capture_graphs", None)
-        if capture is not None:
-            capture()
+        engine.capture_graphs()
         log.info("warm-up: %d frames in %.0f ms", self._warmup_frames, (time.perf_counter() - start) * 1e3)
 
     def _next_action(self) -> tuple[Any, ...] | None:

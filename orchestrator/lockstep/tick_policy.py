@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FRAME_PERIOD_S = 0.08
+from engines.config import FRAME_PERIOD_S
+
 POLICIES = ("paced", "window")
 
 

@@ -1,0 +1,114 @@
+"""Import rules of the tree (issue 19): no import cycles in ``engines/`` or ``orchestrator/``,
+counting the imports inside functions that hide them at run time, and the command-line
+client and the load driver import without Quart, hypercorn or torch."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("engines", "orchestrator")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(tree: ast.AST):
+    """Every import statement, at any depth, except those under ``if TYPE_CHECKING:``."""
+    for node in ast.iter_child_nodes(tree):
+        if _is_type_checking(node):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from _imports(node)
+
+
+def _targets(module: str, path: Path, node: ast.Import | ast.ImportFrom, modules: dict[str, Path]) -> set[str]:
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+            package = package[: len(package) - node.level + 1]
+            base = ".".join(package + ([base] if base else []))
+        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+    targets = set()
+    for name in names:
+        while name and name not in modules:  # a name inside a module: the module
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            targets.add(name)
+    return targets
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {module: set().union(*(_targets(module, path, node, modules)
+                                  for node in _imports(ast.parse(path.read_text()))))
+            for module, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while component[-1:] != [v]:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert len(graph) > 100 and "engines.bench" in graph["engines.gpu.profile_tick"]
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function():
+    graph = import_graph()
+    graph["engines.config"] = graph["engines.config"] | {"engines.factory"}  # what a lazy import would add
+    assert any({"engines.config", "engines.factory"} <= set(c) for c in cycles(graph))
+
+
+def test_the_client_and_the_load_driver_import_without_the_server_stack():
+    code = ("import sys, json; import orchestrator.client.cli, orchestrator.load_driver.cli, "
+            "orchestrator.load_driver.run; print(json.dumps(sorted(m for m in ('quart', 'hypercorn', 'torch', "
+            "'triton', 'sphn') if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
