@@ -53,7 +53,7 @@ def compile_dynamic(fn: F, fullgraph: bool = True) -> F:
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, COMPILED_VARIANTS)
     # No "duck sizing": by default two dimensions of equal size when first traced share one
     # symbol, and Mimi's transformer sees its batch and its time steps both at 2 in the
-    # 2-slot graph, so the 4-slot graph compiled everything again (16 s on a fresh H200,
-    # 4.5 s from the cache at every start).
+    # 2-slot graph, so the 4-slot graph compiled everything again (seconds at every start;
+    # docs/PERFORMANCE.md, "Start-up on the H200").
     shape_config.use_duck_shape = False
     return torch.compile(fn, dynamic=True, fullgraph=fullgraph)

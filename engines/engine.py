@@ -39,7 +39,6 @@ from .prefill import (
     plan_prompt,
     prefill_pieces,
     prompt_frames,
-    prompt_pass,
     voice_replay_frame,
 )
 from .runtime import EngineRuntime
@@ -203,11 +202,17 @@ class PersonaPlexEngine(EngineRuntime):
         return cls(lm, mimi, tokenizer, voices, num_slots, options, model_name=files.name, is_demo=is_demo)
 
     # The backend ------------------------------------------------------------------------------
+    def prepare(self, spec: SessionSpec) -> Prefill:
+        return to_completion(self._prefill(spec, wait=False))
+
     def prepare_in_pieces(self, spec: SessionSpec) -> Pieces[Prefill]:
         """The prefill of ``spec`` from the cache, or computed ``options.prefill_chunk``
         prompt positions per piece (the first piece also validates, tokenizes and plans; for a
-        persona longer than a chunk those are pieces of their own, ~30 and ~130 ms for
-        200,000 characters on the dev VM)."""
+        persona longer than a chunk those are pieces of their own: both grow with its length).  On CUDA a long prompt waits (``WAITING``) while
+        another one holds the piece graph, rather than taking a cache of its own."""
+        return self._prefill(spec, wait=True)
+
+    def _prefill(self, spec: SessionSpec, wait: bool) -> Pieces[Prefill]:
         self.validate(spec)
         persona = tuple(self.tokenizer.persona_tokens(spec.effective_persona))
         key = (spec.voice, persona)
@@ -221,7 +226,7 @@ class PersonaPlexEngine(EngineRuntime):
             if long_persona:
                 yield
             prefill = yield from prefill_pieces(self.lm, voice, plan, self.options.window, self.kv.capacity,
-                                                self.options.prefill_chunk, self.prefill_graphs)
+                                                self.options.prefill_chunk, self.prefill_graphs, wait)
             self.prefills.put(key, prefill)
             log.info("prefill for voice %s and a %d-token persona: %d positions",
                      spec.voice, len(persona), prefill.positions)
@@ -255,24 +260,14 @@ class PersonaPlexEngine(EngineRuntime):
         return {"embeddings": embeddings, "cache": cache.unsqueeze(0).cpu()}
 
     def capture_graphs(self) -> None:
-        """Capture the tick graph of every batch bucket and the prefill graph of every prompt
-        bucket, and warm the split prefill's pieces, now (start-up), not on first use."""
+        """Capture the tick graph of every batch bucket, the prefill graph of every prompt
+        bucket and the split prefill's piece graph now (start-up), not on first use.  (No
+        split pass of the server runs eagerly: one that finds the piece graph held waits for
+        it, ``prepare_in_pieces``.)"""
         if self.graphs is not None:
             self.graphs.capture_all()
         if self.prefill_graphs is not None:
             self.prefill_graphs.capture_all()
-        if self.device.type == "cuda":
-            # A split prefill runs eagerly when another one holds the piece graph: its first
-            # pieces would compile the layer halves for their shape and plan their kernels
-            # (6.8 s on the H200 with live sessions waiting).  Run one long enough to wrap
-            # its cache now.
-            chunk = self.options.prefill_chunk
-            length = self.kv.capacity + 2 * chunk
-            tokens = torch.zeros(1, chunk, self.cfg.num_streams, device=self.device, dtype=torch.long)
-
-            def embed(start: int, end: int) -> torch.Tensor:  # a piece's embedding, in case its length compiles
-                return self.lm.embed_tokens(tokens[:, : end - start])[0]
-            to_completion(prompt_pass(self.lm, embed, length, self.options.window, self.kv.capacity, chunk))
 
     def run_tick(self, slots: Sequence[int], pcm: np.ndarray) -> tuple[np.ndarray, list[int]]:
         if self.graphs is not None:

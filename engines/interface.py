@@ -23,16 +23,30 @@ if TYPE_CHECKING:  # voices.py needs torch; this module stays importable without
 
 T = TypeVar("T")
 
-# Work done a piece per ``next()`` (a prefill: see ``Engine.prepare_in_pieces``); the
-# generator's return value is the result.
-Pieces = Generator[None, None, T]
+
+
+class _Waiting:
+    def __repr__(self) -> str:
+        return "WAITING"
+
+
+# What a piece yields when it did no work because what it needs is held by another
+# preparation under way (the GPU's one piece graph): call it again after that one's pieces.
+WAITING = _Waiting()
+
+# Work done a piece per ``next()`` (a prefill: see ``Engine.prepare_in_pieces``); each piece
+# yields None, or ``WAITING``; the generator's return value is the result.
+Pieces = Generator["_Waiting | None", None, T]
 
 
 def to_completion(pieces: Pieces[T]) -> T:
-    """Run every piece of ``pieces``; its result."""
+    """Run every piece of ``pieces``; its result.  Pieces run this way must not wait (no
+    other preparation can advance meanwhile): ``RuntimeError`` if one does."""
     while True:
         try:
-            next(pieces)
+            if next(pieces) is WAITING:
+                pieces.close()
+                raise RuntimeError("a preparation run to completion waited for another one under way")
         except StopIteration as done:
             return done.value
 
@@ -211,7 +225,9 @@ class Engine(Protocol):
 
     def prepare_in_pieces(self, spec: SessionSpec) -> Pieces[Any]:
         """``prepare`` split into pieces of bounded cost, one per ``next()``, so that the
-        caller can run live ticks between them; returns what ``prepare`` returns."""
+        caller can run live ticks between them; returns what ``prepare`` returns.  A piece
+        that yields ``WAITING`` did nothing: another preparation under way holds what it
+        needs, and the caller should run that one's pieces first."""
 
     def open_slot(self, spec: SessionSpec, prefill: Any = None) -> int:
         """Allocate a slot, install the prefill (``prepare``'s result, computed when None),

@@ -18,13 +18,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Generator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from .config import AUDIO_SILENCE_FRAMES, SILENCE_TOKENS, SINE_TOKENS, TEXT_PAD_ID, LMConfig
 from .lm import MoshiLM
-from .interface import to_completion
+from .interface import WAITING, Pieces, to_completion
 from .modules.prompt_kv import PromptKV
 from .token_state import TokenState
 from .voices import VoicePrompt
@@ -222,21 +222,22 @@ def build_prefill(
 
 
 def prefill_pieces(lm: MoshiLM, voice: VoicePrompt | None, plan: PromptPlan, window: str, capacity: int,
-                   chunk: int | None = None, graphs=None) -> Generator[None, None, Prefill]:
+                   chunk: int | None = None, graphs=None, wait: bool = False) -> Pieces[Prefill]:
     """The device part of a prefill, one piece per ``next()``; the generator returns the
     ``Prefill``.  Each piece embeds its own positions (``prompt_pass``; ``graphs``: an
-    ``engines.gpu.prefill_graphs.PrefillGraphs``)."""
+    ``engines.gpu.prefill_graphs.PrefillGraphs``; ``wait``: see there)."""
     total = _voice_rows(voice) + plan.inputs.shape[0]
 
     def embed(start: int, end: int) -> torch.Tensor:
         return prompt_embeddings(lm, voice, plan, start, end)
 
-    keys, values, first = yield from prompt_pass(lm, embed, total, window, capacity, chunk, graphs)
+    keys, values, first = yield from prompt_pass(lm, embed, total, window, capacity, chunk, graphs, wait)
     return Prefill(keys, values, first, plan.token_cache, plan.token_provided, plan.offset)
 
 
 def prompt_pass(lm: MoshiLM, embed: Callable[[int, int], torch.Tensor], total: int, window: str, capacity: int,
-                chunk: int | None = None, graphs=None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, int]]:
+                chunk: int | None = None, graphs=None,
+                wait: bool = False) -> Pieces[tuple[torch.Tensor, torch.Tensor, int]]:
     """The causal pass over a prompt of ``total`` positions from an empty cache, ``chunk``
     positions per ``next()`` (all of them when None), each piece taking its input embeddings
     [n, D] from ``embed(start, end)``; returns the keys and values [layers, H, m, Dh] of the
@@ -247,10 +248,12 @@ def prompt_pass(lm: MoshiLM, embed: Callable[[int, int], torch.Tensor], total: i
     Chunked or not, each query sees the keys one pass would show it.  A split prompt's last
     piece is padded to ``chunk`` (the padding comes after every real position, so causality
     keeps it out of them): every piece has one shape.  With ``graphs``, a prompt of one piece
-    is replayed from its bucket's graph, and a split one from the piece graph when no other
-    pass holds it (it has one cache); eagerly otherwise.  Eager pieces are bound by the host
-    launching their kernels (~45 ms at the 7B shapes for 128 to 512 positions alike, measured),
-    replayed ones by the GPU.
+    is replayed from its bucket's graph, and a split one from the piece graph (it has one
+    cache).  While another pass holds that graph, a split pass with ``wait`` yields
+    ``WAITING`` until it is free; without, it runs eagerly with a cache of its own (~1.7 GB at
+    the 7B shapes: a burst of joins each holding one could exhaust the GPU's headroom).  Eager
+    pieces are bound by the host launching their kernels whatever their length, replayed ones
+    by the GPU (docs/PERFORMANCE.md).
     """
     if chunk is None or chunk >= total:
         with torch.inference_mode():
@@ -268,6 +271,9 @@ def prompt_pass(lm: MoshiLM, embed: Callable[[int, int], torch.Tensor], total: i
         padded = -(-total // chunk) * chunk
     cfg = lm.cfg
     pieces = graphs.claim_pieces(chunk) if graphs is not None and padded > chunk else None
+    while pieces is None and wait and graphs is not None and padded > chunk and graphs.pieces_held(chunk):
+        yield WAITING
+        pieces = graphs.claim_pieces(chunk)
     try:
         with torch.inference_mode():
             if pieces is not None:

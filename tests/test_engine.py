@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from engines import checkpoint as ckpt
 from engines.engine import EngineOptions, PersonaPlexEngine
-from engines.interface import InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec, to_completion
+from engines.interface import WAITING, InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec, to_completion
+from engines.modules.prompt_kv import PromptKV
 from engines.prefill import plan_prompt, prefill_pieces
 
 GREEDY = SamplingParams(greedy=True)
@@ -99,6 +102,56 @@ def test_a_prefill_in_pieces_equals_the_one_pass(engine, chunk):
     assert count == -(-total // chunk)
     assert (split.start, split.positions, split.offset) == (one.start, one.positions, one.offset)
     assert torch.allclose(split.keys, one.keys, atol=1e-5) and torch.allclose(split.values, one.values, atol=1e-5)
+
+
+class OnePieceCache:
+    """A CPU stand-in for the GPU's ``PrefillGraphs``: no bucket graphs, and one piece cache
+    that one split pass at a time may hold (run eagerly here)."""
+
+    def __init__(self, lm, capacity: int, chunk: int, held: bool) -> None:
+        self.lm, self.capacity, self.chunk, self.held, self.claims = lm, capacity, chunk, held, 0
+
+    def run(self, x):
+        return None
+
+    def pieces_held(self, chunk: int) -> bool:
+        return chunk == self.chunk and self.held
+
+    def claim_pieces(self, chunk: int):
+        if self.pieces_held(chunk) or chunk != self.chunk:
+            return None
+        self.held, self.claims = True, self.claims + 1
+        cfg, lm = self.lm.cfg, self.lm
+        kv = PromptKV(cfg.num_layers, cfg.num_heads, cfg.head_dim, window=self.capacity,
+                      size=self.capacity + chunk - 1, device=lm.device, dtype=lm.dtype)
+        sequence = torch.zeros(1, dtype=torch.long)
+        return SimpleNamespace(kv=kv, run=lambda piece: lm.temporal(sequence, piece, kv, "reference"))
+
+    def release_pieces(self, pieces) -> None:
+        self.held = False
+
+
+def test_a_split_pass_that_may_wait_waits_for_the_piece_cache(engine):
+    """While another pass holds the piece cache, a pass with ``wait`` yields WAITING and
+    computes nothing; once it is free it takes it and gives the one pass's keys.  Without
+    ``wait`` (a caller that cannot interleave) it runs at once on a cache of its own; run to
+    completion, a pass that waits is an error rather than a hang."""
+    window, capacity = engine.options.window, engine.cfg.context
+    voice = engine.voice_store.load("NATM1.pt")
+    plan = plan_prompt(engine.cfg, voice, engine.tokenizer.persona_tokens("You like long walks. " * 10))
+    one = to_completion(prefill_pieces(engine.lm, voice, plan, window, capacity))
+    graphs = OnePieceCache(engine.lm, capacity, 16, held=True)
+    pieces = prefill_pieces(engine.lm, voice, plan, window, capacity, 16, graphs, wait=True)
+    assert [next(pieces) for _ in range(3)] == [WAITING] * 3 and graphs.claims == 0
+    graphs.release_pieces(None)  # the other pass ended
+    split = to_completion(pieces)
+    assert graphs.claims == 1 and not graphs.held
+    assert torch.allclose(split.keys, one.keys, atol=1e-5) and torch.allclose(split.values, one.values, atol=1e-5)
+    graphs.held = True
+    eager = to_completion(prefill_pieces(engine.lm, voice, plan, window, capacity, 16, graphs))
+    assert graphs.claims == 1 and torch.allclose(eager.keys, one.keys, atol=1e-5)
+    with pytest.raises(RuntimeError, match="waited for another one"):
+        to_completion(prefill_pieces(engine.lm, voice, plan, window, capacity, 16, graphs, wait=True))
 
 
 def test_batch_equals_sessions_run_alone(tiny_checkpoint, engine, speech_pcm):

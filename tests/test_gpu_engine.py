@@ -113,10 +113,11 @@ def test_prefill_graph_replay_equals_the_eager_pass(tiny_checkpoint, no_tf32):
     """A prompt padded to a bucket and replayed from a CUDA graph gives the keys/values of
     the unpadded eager pass (causal pass from an empty cache: padding never leaks back),
     also for a bucket longer than the session window (the window is a mask, not a wrap).
-    A split prompt's pieces replayed from the piece graph give the one pass's keys too, and a
-    second split pass while the first holds that graph runs eagerly to the same result."""
+    A split prompt's pieces replayed from the piece graph give the one pass's keys too; a
+    second split pass while the first holds that graph runs eagerly to the same result, or,
+    allowed to wait, waits and then replays it."""
     from engines.gpu.prefill_graphs import PrefillGraphs
-    from engines.interface import to_completion
+    from engines.interface import WAITING, to_completion
     from engines.prefill import plan_prompt, prefill_pieces
 
     files = ckpt.locate(tiny_checkpoint)
@@ -149,6 +150,13 @@ def test_prefill_graph_replay_equals_the_eager_pass(tiny_checkpoint, no_tf32):
     assert close(to_completion(holder), one_pass)
     assert not graphs._pieces_claimed
     assert close(to_completion(prefill_pieces(engine.lm, None, plan, window, cfg.context, 64, graphs)), one_pass)
+    # A pass that may wait (the server's) waits for the graph instead, then replays it.
+    holder = prefill_pieces(engine.lm, None, plan, window, cfg.context, 64, graphs)
+    next(holder)
+    waiter = prefill_pieces(engine.lm, None, plan, window, cfg.context, 64, graphs, wait=True)
+    assert next(waiter) is WAITING and next(waiter) is WAITING
+    assert close(to_completion(holder), one_pass) and close(to_completion(waiter), one_pass)
+    assert not graphs._pieces_claimed
 
 
 def test_capture_graphs_captures_every_bucket_up_front(tiny_checkpoint):

@@ -1,6 +1,8 @@
 """Import rules of the tree (issue 19): no import cycles in ``engines/`` or ``orchestrator/``,
-counting the imports inside functions that hide them at run time, and the command-line
-client and the load driver import without Quart, hypercorn or torch."""
+counting the imports inside functions that hide them at run time; the orchestrator reaches
+the engines through their torch-free API only (the engine process builds one through the
+factory, inside a function); the server's front end imports without torch, and the
+command-line client and the load driver without Quart, hypercorn or torch."""
 
 from __future__ import annotations
 
@@ -103,6 +105,43 @@ def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function():
     graph = import_graph()
     graph["engines.config"] = graph["engines.config"] | {"engines.factory"}  # what a lazy import would add
     assert any({"engines.config", "engines.factory"} <= set(c) for c in cycles(graph))
+
+
+# What the orchestrator may import from engines/ when its modules load: no torch among them.
+ENGINES_API = {"engines", "engines.config", "engines.interface", "engines.errors", "engines.hub",
+               "engines.random_weights", "engines.weights_format", "engines.audio_io", "engines.progress"}
+
+
+def _module_level_imports(tree: ast.AST):
+    """Import statements that run when the module loads (not inside a function)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or _is_type_checking(node):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from _module_level_imports(node)
+
+
+def test_the_orchestrator_loads_only_the_engines_api():
+    modules = _modules()
+    reached = {}
+    for module, path in modules.items():
+        if module.startswith("orchestrator"):
+            for node in _module_level_imports(ast.parse(path.read_text())):
+                for target in _targets(module, path, node, modules):
+                    if target.startswith("engines"):
+                        reached.setdefault(target, []).append(module)
+    assert "engines.config" in reached and "engines.interface" in reached
+    assert {t: m for t, m in reached.items() if t not in ENGINES_API} == {}
+
+
+def test_the_server_front_end_imports_without_torch():
+    code = ("import sys, json; import orchestrator, orchestrator.frontend.routes, orchestrator.settings, "
+            "orchestrator.engine_host.host; print(json.dumps(sorted(m for m in ('torch', 'triton', 'safetensors', "
+            "'sentencepiece') if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
 
 
 def test_the_client_and_the_load_driver_import_without_the_server_stack():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engines.factory import create_engine
-from engines.interface import InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec
+from engines.interface import WAITING, InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec
 from orchestrator.metrics import Metrics
 from orchestrator.lockstep.scheduler import FrameResult, TickScheduler
 from orchestrator.lockstep.tick_policy import make_policy
@@ -44,9 +44,10 @@ class Collector:
 def make_scheduler():
     made: list[TickScheduler] = []
 
-    def make(max_slots: int = 2, window_ms: float = 20.0, grace_s: float = 0.0, policy: str = "window"):
+    def make(max_slots: int = 2, window_ms: float = 20.0, grace_s: float = 0.0, policy: str = "window",
+             adapt=lambda engine: engine):
         sink = Collector()
-        scheduler = TickScheduler(lambda: create_engine(None, max_slots=max_slots),
+        scheduler = TickScheduler(lambda: adapt(create_engine(None, max_slots=max_slots)),
                                   policy=make_policy(policy, min_wait_s=window_ms / 1e3, busy_target=0.7),
                                   silence_grace_s=grace_s, warmup_frames=2, metrics=Metrics())
         scheduler.start(sink.deliver)
@@ -238,3 +239,55 @@ def test_a_client_that_leaves_during_its_prefill_leaves_nothing_behind(make_sche
     assert scheduler.slots_taken == 1
     sink.wait(lambda: len(sink.of("live")) == 200)
     assert not scheduler._jobs
+
+
+def test_a_join_that_waits_for_another_does_not_spend_the_gaps(make_scheduler):
+    """Two long joins at once where only one may run at a time (on CUDA: the one piece graph;
+    here a stand-in around the real preparation): the second waits (``WAITING``) until the
+    first is done, then runs, and its waiting pieces do not take the gaps between live ticks
+    that the first one's pieces need."""
+    holder: list[str | None] = [None]
+    log: list[tuple[str, str, int]] = []  # (joiner, "piece" | "wait", live ticks so far)
+
+    def adapt(engine):
+        prepare = engine.prepare_in_pieces
+        engine.prepare_in_pieces = lambda spec: one_at_a_time(prepare, spec)
+        return engine
+
+    scheduler, sink = make_scheduler(max_slots=3, adapt=adapt)
+
+    def one_at_a_time(prepare, spec: SessionSpec):
+        name = spec.persona[:1]
+
+        def pieces():
+            while holder[0] not in (None, name):
+                log.append((name, "wait", len(sink.of("live"))))
+                yield WAITING
+            holder[0] = name
+            inner = prepare(spec)
+            try:
+                while True:
+                    try:
+                        next(inner)
+                    except StopIteration as done:
+                        return done.value
+                    log.append((name, "piece", len(sink.of("live"))))
+                    yield
+            finally:
+                holder[0] = None
+
+        return pieces()
+
+    scheduler.open("live", GREEDY).result(30)
+    scheduler.push("live", 0, frames(400))
+    sink.wait(lambda: len(sink.of("live")) >= 2)
+    first = scheduler.open("A", SessionSpec(persona="A" + LONG_PERSONA[: len(LONG_PERSONA) // 2], sampling=GREEDY.sampling))
+    second = scheduler.open("B", SessionSpec(persona="B" + LONG_PERSONA[: len(LONG_PERSONA) // 2], sampling=GREEDY.sampling))
+    assert first.result(60) is not None and second.result(60) is not None
+    a_pieces = [ticks for name, kind, ticks in log if name == "A" and kind == "piece"]
+    b_pieces = [ticks for name, kind, ticks in log if name == "B" and kind == "piece"]
+    assert any(name == "B" and kind == "wait" for name, kind, _ in log)
+    assert len(a_pieces) >= 20 and b_pieces and min(b_pieces) >= max(a_pieces), "B ran while A held the graph"
+    spent = a_pieces[-1] - a_pieces[0]
+    assert spent <= 1.4 * len(a_pieces) + 3, f"A's {len(a_pieces)} pieces took {spent} ticks: waits took gaps"
+    sink.wait(lambda: len(sink.of("live")) == 400)

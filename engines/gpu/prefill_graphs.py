@@ -2,9 +2,10 @@
 replays every piece of a split prompt.
 
 A cold prefill (a new voice + persona) runs the temporal transformer over a few hundred
-prompt positions.  Eagerly the pass launched 1,772 kernels (profiled on the H200,
-2026-12-01), so it is bound by the host issuing them (~45 ms a piece at the 7B shapes on the
-engine thread, whatever its length, during which live ticks wait), not by the GPU.  Replaying a graph issues the whole pass at once.
+prompt positions.  Eagerly the pass launches well over a thousand kernels, so it is bound by
+the host issuing them on the engine thread (whatever a piece's length, while live ticks
+wait), not by the GPU; replaying a graph issues the whole pass at once.  Figures:
+docs/PERFORMANCE.md, "Joins during a full load".
 
 One-piece prompts are padded at the end to a bucket length.  The pass is causal and starts
 from an empty cache, so padding positions never influence the real ones: the keys/values of
@@ -95,6 +96,11 @@ class PrefillGraphs:
         with torch.inference_mode():  # its tensors were made in inference mode
             pieces.kv.reset()
         return pieces
+
+    def pieces_held(self, chunk: int) -> bool:
+        """Whether a pass of ``chunk``-position pieces holds the piece graph now (it would get
+        it once that pass ends)."""
+        return chunk == self.chunk and self._pieces_claimed
 
     def release_pieces(self, pieces: _PassGraph) -> None:
         if pieces is self._pieces:

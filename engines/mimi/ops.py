@@ -63,8 +63,8 @@ def _depthwise_conv_transpose1d(x: torch.Tensor, weight: torch.Tensor, bias: tor
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear`` on [B, T, in] as one GEMM per batch item (same bits as B=1) on CPU.
 
-    Off CPU a per-item GEMM of 2 rows wastes the GPU (5 ms per tick at 64 slots): one
-    plain GEMM over all rows is used there, as for the convolutions.
+    Off CPU a per-item GEMM of 2 rows wastes the GPU (milliseconds per tick at 64 slots):
+    one plain GEMM over all rows is used there, as for the convolutions.
     """
     if x.device.type != "cpu":
         return F.linear(x, weight)

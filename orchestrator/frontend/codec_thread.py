@@ -14,8 +14,8 @@ PCM comes later.  Decoders with packets still in flight are polled every ``POLL_
 non-blocking read) until their packets are out, or until ``STALE_S`` passes without progress
 (a stream whose packets sphn skips, such as a second OpusTags).
 
-sphn holds the interpreter lock while it encodes (1.12 ms per 80 ms frame measured alone on
-the H200 machine's host, more under load): the loop waits for one such call at a time, and the worker's switch
+sphn holds the interpreter lock while it encodes (about a millisecond per 80 ms frame,
+``protocol/ogg_opus.py``): the loop waits for one such call at a time, and the worker's switch
 interval is kept short while native sessions run (``Services.codec``).
 """
 

@@ -49,7 +49,7 @@ import numpy as np
 from engines import progress
 from engines.config import FRAME_SAMPLES, ConfigError
 from engines.errors import AudioInputError, CheckpointError
-from engines.interface import Engine, EngineInfo, FrameOutput, Pieces, SessionSpec, SlotFault
+from engines.interface import WAITING, Engine, EngineInfo, FrameOutput, Pieces, SessionSpec, SlotFault
 
 from ..metrics import Metrics
 from ..protocol.audio import float_to_pcm16
@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 _INPUT_LOAD_ERRORS = (CheckpointError, ConfigError, AudioInputError, OSError, MemoryError)
 
 _UNFINISHED = object()  # a job's preparation has pieces left
+JOBS_STALLED_PAUSE_S = 0.005
 
 TICK_TIME_SMOOTHING = 0.2  # weight of the newest tick in the moving average the policy reads
 
@@ -135,6 +136,7 @@ class _Job:
     spec: SessionSpec | None = None  # open: what to open
     future: concurrent.futures.Future | None = None  # open: settled with the slot or the error
     pieces: Pieces | None = None  # the preparation under way, once its first piece ran
+    waited: bool = False  # its last piece did nothing (engines.interface.WAITING)
 
 
 class _Lane:
@@ -182,6 +184,7 @@ class TickScheduler:
         self._closes: deque[tuple[str, concurrent.futures.Future]] = deque()
         self._jobs: deque[_Job] = deque()  # expensive control work, a piece at a time in turn
         self._after_tick = False
+        self._waits_in_row = 0  # jobs in turn whose piece waited for another's
         self._last_take = float("-inf")  # when the latest tick's frames were taken
         self._live_at_take = 0  # live lanes when the latest tick's frames were taken (batch fill)
         self._stopping = False
@@ -326,6 +329,9 @@ class TickScheduler:
                 elif not self._job(engine, job):
                     with self._cond:  # unfinished: its next piece after the other jobs' turns
                         self._jobs.append(job)
+                        self._after_waiting(job)
+                else:
+                    self._waits_in_row = 0
             finally:
                 self.busy = None
                 self._metrics.observe_engine_job(label, self._clock() - start)
@@ -546,6 +552,20 @@ class TickScheduler:
     def _count_slots(self, engine: Engine) -> None:
         self.slots_taken = engine.info.max_slots - engine.free_slots()
 
+    def _after_waiting(self, job: _Job) -> None:
+        """Under the lock, after ``job``'s piece: a piece that waited spent no engine time, so
+        the next job may have this gap; once every job in turn has waited (none can advance,
+        which the engine's contract rules out), pause briefly rather than spin."""
+        if not job.waited:
+            self._waits_in_row = 0
+            return
+        self._waits_in_row += 1
+        if self._waits_in_row < len(self._jobs):
+            self._after_tick = True
+        else:
+            self._waits_in_row = 0
+            self._cond.wait(JOBS_STALLED_PAUSE_S)
+
     def _job(self, engine: Engine, job: _Job) -> bool:
         """Run the next piece of ``job``; True once it is finished (done, failed or moot)."""
         if job.kind == "open":
@@ -614,7 +634,7 @@ class TickScheduler:
         if job.pieces is None:
             job.pieces = engine.prepare_in_pieces(spec)
         try:
-            next(job.pieces)
+            job.waited = next(job.pieces) is WAITING
         except StopIteration as done:
             return done.value
         return _UNFINISHED

@@ -14,13 +14,9 @@ pins 0.1):
   PCM, raising ``ValueError`` on bytes that are not Ogg/Opus.
 The classes below give one behaviour over both.
 
-Cost per stream (2026-12-02, sphn 0.1.12, 500 frames; neither sphn version releases the
-interpreter lock while encoding):
-- the H200 machine's host CPU (Xeon, idle), a sine plus noise: encoding 1.12 ms per 80 ms
-  frame, decoding 0.13 ms per 80 ms (on sphn 0.1's own thread);
-- this project's 2-core CPU machine, idle, a sine: encoding ~0.42 ms; with the test suite
-  running beside it, 1.2-1.4 ms (speech the higher).
-So encoding is the native route's main CPU cost: at 152 sessions, ~2 cores in all.
+Neither sphn version releases the interpreter lock while encoding, and encoding is the native
+route's main CPU cost (per-frame figures: docs/PERFORMANCE.md, "The native route at 128
+sessions").
 """
 
 from __future__ import annotations

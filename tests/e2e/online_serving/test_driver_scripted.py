@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from .personaplex_realtime_duplex import EXIT_NOT_OK, EXIT_OK, EXIT_USAGE, main
-from orchestrator.load_driver import load as load_mode
+from orchestrator.load_driver import report
 from .scripted_server import CAPABILITIES, FRAME, ScriptedServer, write_tone_wav
 
 FRAMES = 6  # input frames per load session in these tests (0.48 s)
@@ -278,7 +278,7 @@ def test_load_refuses_to_overwrite_a_result(tone_wav, tmp_path):
     assert (tmp_path / "load-result.json").read_text() == "previous evidence"
     # and the writer itself opens with mode "x"
     with pytest.raises(FileExistsError):
-        load_mode.write_json(tmp_path / "load-result.json", {"ok": True}, exclusive=True)
+        report.write_json(tmp_path / "load-result.json", {"ok": True}, exclusive=True)
 
 
 def test_plot_is_written(tone_wav, tmp_path):
