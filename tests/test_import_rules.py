@@ -135,19 +135,21 @@ def test_the_orchestrator_loads_only_the_engines_api():
     assert {t: m for t, m in reached.items() if t not in ENGINES_API} == {}
 
 
-def test_the_server_front_end_imports_without_torch():
-    code = ("import sys, json; import orchestrator, orchestrator.frontend.routes, orchestrator.settings, "
-            "orchestrator.engine_host.host; print(json.dumps(sorted(m for m in ('torch', 'triton', 'safetensors', "
-            "'sentencepiece') if m in sys.modules)))")
+def _loaded_by(modules: list[str], watched: list[str]) -> list[str]:
+    """Which of ``watched`` a fresh interpreter has loaded once it imported ``modules``."""
+    code = (f"import sys, json; import {', '.join(modules)}; "
+            f"print(json.dumps(sorted(m for m in {watched!r} if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == []
+    return json.loads(out.stdout)
+
+
+def test_the_server_front_end_imports_without_torch():
+    assert _loaded_by(["engines.engine"], ["torch", "quart"]) == ["torch"]  # the probe sees what loads
+    assert _loaded_by(["orchestrator", "orchestrator.frontend.routes", "orchestrator.settings",
+                       "orchestrator.engine_host.host"], ["torch", "triton", "safetensors", "sentencepiece"]) == []
 
 
 def test_the_client_and_the_load_driver_import_without_the_server_stack():
-    code = ("import sys, json; import orchestrator.client.cli, orchestrator.load_driver.cli, "
-            "orchestrator.load_driver.run; print(json.dumps(sorted(m for m in ('quart', 'hypercorn', 'torch', "
-            "'triton', 'sphn') if m in sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == []
+    assert _loaded_by(["orchestrator.client.cli", "orchestrator.load_driver.cli", "orchestrator.load_driver.run"],
+                      ["quart", "hypercorn", "torch", "triton", "sphn"]) == []
