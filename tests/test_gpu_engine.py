@@ -166,3 +166,32 @@ def test_capture_graphs_captures_every_bucket_up_front(tiny_checkpoint):
     engine.capture_graphs()
     assert sorted(engine.graphs._graphs) == engine.graphs.buckets
     assert tuple(sorted(engine.prefill_graphs._graphs)) == engine.prefill_graphs.buckets
+
+
+@pytest.mark.parametrize("options", [dict(), dict(compile=True, kv_cache="fp8")], ids=["eager-graphs", "compiled-fp8kv"])
+def test_fp8_weights_on_the_gpu(tiny_checkpoint, frames, options):
+    """fp8 weights on the GPU: the auto product is the fp8 tensor cores' on Hopper; teacher-
+    forced text logits of both products stay as close to the exact CPU model as on the CPU
+    (tests/test_fp8_weights.py), and whole graphed ticks run."""
+    from tests.test_fp8_weights import BF16_LOGIT_ERROR
+    from tests.test_kv_fp8 import _tiny_logits
+
+    files = ckpt.locate(tiny_checkpoint)
+    g = torch.Generator().manual_seed(3)
+    n = 2 * 32
+    rows = torch.cat([torch.randint(0, 100, (n, 1), generator=g), torch.randint(0, 50, (n, 16), generator=g)], 1)
+    want = _tiny_logits(PersonaPlexEngine.from_files(files, 1, EngineOptions()), rows)
+    capability = torch.cuda.get_device_capability()
+    products = ["w8a16", "scaled_mm"] if capability >= (8, 9) else ["w8a16"]
+    for matmul in products:
+        engine = PersonaPlexEngine.from_files(files, 4, EngineOptions(device="cuda", weights="fp8", fp8_matmul=matmul,
+                                                                      **options))
+        assert engine.lm.fp8_matmul == matmul and engine.lm.layers[0].in_proj.dtype == torch.float8_e4m3fn
+        got = _tiny_logits(engine, rows.cuda()).float().cpu()
+        rel = float((got - want).norm() / want.norm())
+        print(f"fp8 weights on the GPU, {matmul}, {options}: relative L2 error {rel:.4f}")
+        assert rel < BF16_LOGIT_ERROR[matmul] + 0.02, rel
+        texts, pcms = run(engine, frames)
+        assert all(np.isfinite(p).all() for p in pcms) and texts[0][0] == 3
+    auto = PersonaPlexEngine.from_files(files, 1, EngineOptions(device="cuda", weights="fp8"))
+    assert auto.lm.fp8_matmul == ("scaled_mm" if capability >= (8, 9) else "w8a16")

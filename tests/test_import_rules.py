@@ -153,3 +153,51 @@ def test_the_server_front_end_imports_without_torch():
 def test_the_client_and_the_load_driver_import_without_the_server_stack():
     assert _loaded_by(["orchestrator.client.cli", "orchestrator.load_driver.cli", "orchestrator.load_driver.run"],
                       ["quart", "hypercorn", "torch", "triton", "sphn"]) == []
+
+
+def _names_defined(tree: ast.Module) -> set[str]:
+    """Names a module defines or imports at its top level (what ``from it import name`` finds)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node in tree.body:
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def unresolved_imports() -> list[str]:
+    """Every ``from engines... / orchestrator... import name`` in the tree, at any depth (the
+    GPU paths import lazily, inside functions CPU tests never run), whose module or name does
+    not exist."""
+    modules = _modules()
+    trees = {module: ast.parse(path.read_text()) for module, path in modules.items()}
+    defined = {module: _names_defined(tree) for module, tree in trees.items()}
+    broken = []
+    for module, tree in trees.items():
+        path = modules[module]
+        for node in _imports(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join(package + ([base] if base else []))
+            if not base.startswith(PACKAGES):
+                continue
+            if base not in modules:
+                broken.append(f"{module}: no module {base}")
+                continue
+            for alias in node.names:
+                if alias.name != "*" and f"{base}.{alias.name}" not in modules and alias.name not in defined[base]:
+                    broken.append(f"{module}: {base} has no {alias.name}")
+    return broken
+
+
+def test_every_import_in_the_tree_resolves():
+    assert unresolved_imports() == []
