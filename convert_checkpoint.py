@@ -5,12 +5,12 @@
         [--kv-cache-dtype fp8] [--max-sessions N]
 
 then run the trtllm-build / trtexec commands written to build/NAME/README.md.  The logic
-lives in ``engines.convert``; ``--help`` explains every option.
+lives in ``engines.export.convert``; ``--help`` explains every option.
 """
 
 import sys
 
-from engines.convert.cli import main
+from engines.export.convert.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,3 +1,4 @@
-"""Model engines for personaplex-serve: checkpoint loading, the batched streaming model,
-prefill, sampling and the offline CLI.  The orchestrator talks to it only through
-``engines.interface``."""
+"""Model engines for personaplex-serve, in levels (docs/ARCHITECTURE.md, "Files"): the
+torch-free API at the top (``config``, ``interface``, ``errors``, ``progress``, ``audio_io``:
+what the orchestrator imports), then ``model``, ``state``, ``runtime``, ``fastpath``,
+``checkpoints``, ``export`` and ``tools``."""

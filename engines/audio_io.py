@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import FRAME_SAMPLES, SAMPLE_RATE
-from .errors import AudioInputError
+from engines.config import FRAME_SAMPLES, SAMPLE_RATE
+from engines.errors import AudioInputError
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ DEFAULT_VOICE = "NATF2.pt"
 KV_CACHE_MODES = ("auto", "fp8")
 # Weight and activation dtypes a TensorRT-LLM build may use (convert_checkpoint.py --dtype).
 BUILD_DTYPES = ("bfloat16", "float16", "float32")
-# The engines a server can run: the PyTorch one, or a TensorRT-LLM build (engines/trtllm).
+# The engines a server can run: the PyTorch one, or a TensorRT-LLM build (engines/runtime/trtllm).
 BACKENDS = ("torch", "trtllm")
 
 
@@ -48,16 +48,16 @@ def kv_window_bytes(num_layers: int, num_heads: int, capacity: int, head_dim: in
                     fp8: bool) -> int:
     """Device bytes of one session's temporal KV window: keys and values of ``capacity``
     positions, in elements of ``element_bytes``, or in fp8 with a float32 scale per
-    (position, head) (``modules.kv_ring``)."""
+    (position, head) (``state.kv_ring``)."""
     positions = num_layers * num_heads * capacity
     return 2 * positions * ((head_dim + 4) if fp8 else head_dim * element_bytes)
-# LM weight storage: the model's dtype, or fp8 projections and FFNs (engines.modules.fp8_weights).
+# LM weight storage: the model's dtype, or fp8 projections and FFNs (engines.model.fp8_weights).
 WEIGHT_MODES = ("auto", "fp8")
 # torch.compile of the GPU pieces: on, off, or on for CUDA devices only.
 COMPILE_MODES = ("auto", "on", "off")
 
 # The files of a checkpoint directory (nvidia/personaplex-7b-v1's names; Kyutai's config.json
-# may name others: engines/checkpoint.py).
+# may name others: engines/checkpoints/loader.py).
 LM_FILE = "model.safetensors"
 MIMI_FILE = "tokenizer-e351c8d8-checkpoint125.safetensors"
 TOKENIZER_FILE = "tokenizer_spm_32k_3.model"
@@ -70,7 +70,7 @@ CONFIG_FILE = "config.json"
 def default_cache_dir() -> Path:
     """The project's cache directory: ``PERSONAPLEX_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/personaplex-serve`` (``~/.cache/personaplex-serve``).  It holds the
-    embedded tiny checkpoint and the compile caches (``engines/compiled.py``)."""
+    embedded tiny checkpoint and the compile caches (``engines/fastpath/compiled.py``)."""
     base = os.environ.get("PERSONAPLEX_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "personaplex-serve"
     )
@@ -158,7 +158,7 @@ class LMConfig:
     def parameter_counts(self) -> tuple[int, int]:
         """(all parameters of a checkpoint with every depformer step, those that fp8 weights
         store in fp8: the layers' projections and FFNs and ``depformer_in``; see
-        ``engines.modules.fp8_weights``).  The server sizes admission with them."""
+        ``engines.model.fp8_weights``).  The server sizes admission with them."""
         d, h, dd, dh, steps = self.dim, self.ffn_hidden, self.depformer_dim, self.depformer_ffn_hidden, self.dep_q
         temporal = self.num_layers * (4 * d * d + 3 * h * d)
         depformer = steps * (self.depformer_num_layers * (4 * dd * dd + 3 * dh * dd) + dd * d)

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, Sequence, 
 
 import numpy as np
 
-from .config import DEFAULT_PERSONA, DEFAULT_VOICE, FRAME_SAMPLES, SAMPLE_RATE
+from engines.config import DEFAULT_PERSONA, DEFAULT_VOICE, FRAME_SAMPLES, SAMPLE_RATE
 
 if TYPE_CHECKING:  # voices.py needs torch; this module stays importable without it
-    from .voices import VoiceStore
+    from engines.checkpoints.voices import VoiceStore
 
 T = TypeVar("T")
 

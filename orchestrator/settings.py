@@ -23,9 +23,9 @@ import tomllib
 
 from engines.config import (BACKENDS, COMPILE_MODES, KV_CACHE_MODES, LM_FILE, WEIGHT_MODES, LMConfig, WindowMode,
                             kv_window_bytes)
-from engines.hub import DEFAULT_REPO, parse_repo_ref
-from engines.random_weights import RANDOM_MODEL_BYTES, random_model_name
-from engines.weights_format import is_fp8_checkpoint
+from engines.checkpoints.hub import DEFAULT_REPO, parse_repo_ref
+from engines.checkpoints.random_weights import RANDOM_MODEL_BYTES, random_model_name
+from engines.checkpoints.weights_format import is_fp8_checkpoint
 
 from .lockstep.tick_policy import POLICIES, PacedPolicy, WindowPolicy, make_policy
 
@@ -69,11 +69,11 @@ class SettingsError(StartupError, ValueError):
 class Settings:
     # Model ---------------------------------------------------------------------------------
     # Checkpoint directory, or a Hugging Face repo id "owner/name[@revision]" (downloaded into
-    # the standard cache on first use: HF_TOKEN, HF_HUB_OFFLINE; engines/hub.py); None = the
+    # the standard cache on first use: HF_TOKEN, HF_HUB_OFFLINE; engines/checkpoints/hub.py); None = the
     # embedded tiny demo model; "random:personaplex-7b" = random weights at the 7B shapes
-    # (capacity measurements, engines/random_weights.py).
+    # (capacity measurements, engines/checkpoints/random_weights.py).
     checkpoint: str | None = None
-    # A directory of voice .pt files (python -m engines.voice_builder writes them) served beside
+    # A directory of voice .pt files (python -m engines.tools.voice_builder writes them) served beside
     # the checkpoint's own; a name in both is this directory's.  Every file is checked at start.
     voice_dir: str | None = None
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N"
@@ -244,7 +244,7 @@ class Settings:
             raise SettingsError(f"{env_name('api_keys_file')}={self.api_keys_file!r} is not a file")
 
     def engine_kwargs(self, device: str) -> dict[str, Any]:
-        """What ``engines.factory.create_engine`` takes, besides the checkpoint, for the
+        """What ``engines.runtime.factory.create_engine`` takes, besides the checkpoint, for the
         engine of ``device``."""
         return dict(max_slots=self.resolved_max_sessions(device), device=device, backend=self.backend,
                     window=self.window, kv_cache=self.kv_cache, compile=self.compile, weights=self.weights,
@@ -457,7 +457,7 @@ def _lm_file_bytes(path: Path) -> int:
 
 
 def _build_max_sessions(build_dir: Path) -> int:
-    """``max_sessions`` of a convert_checkpoint.py build (engines.trtllm.layout's runtime.json);
+    """``max_sessions`` of a convert_checkpoint.py build (engines.runtime.trtllm.layout's runtime.json);
     the CPU default when unreadable (the engine then reports what is wrong with the directory)."""
     try:
         return max(1, int(json.loads((build_dir / "runtime.json").read_text())["max_sessions"]))

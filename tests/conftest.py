@@ -40,7 +40,7 @@ def orch_tuned_server():
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """The tiny checkpoint, written once per test session."""
-    from engines.tiny import write_tiny_checkpoint
+    from engines.checkpoints.tiny import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-checkpoint"))
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engines import bench_plot
-from engines.bench import BenchConfig
+from engines.tools import bench_plot
+from engines.tools.bench import BenchConfig
 
 RESULT = Path(__file__).resolve().parents[1] / "docs" / "results" / "2026-12-01-h200-bench-fp8-compile.json"
 
@@ -35,7 +35,7 @@ def test_plot_refuses_a_file_that_is_not_a_report(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text("[1, 2]")
     assert bench_plot.main([str(bad), "--output", str(tmp_path / "x.png")]) == 2
-    assert "not an engines.bench report" in capsys.readouterr().err
+    assert "not an engines.tools.bench report" in capsys.readouterr().err
     assert bench_plot.main([str(tmp_path / "missing.json"), "--output", str(tmp_path / "x.png")]) == 2
 
 

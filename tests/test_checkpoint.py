@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engines import checkpoint as ckpt
+from engines.checkpoints import loader as ckpt
 from engines.config import LMConfig, replace
 from engines.errors import CheckpointError
-from engines.tiny import TINY_LM
+from engines.checkpoints.tiny import TINY_LM
 
 
 class RecordingReader:

@@ -1,5 +1,5 @@
 """torch.compile's caches live in the project's cache directory and a second start reuses
-them (engines/compiled.py).  The GPU tick's compiled pieces do not compile on CPU, so a
+them (engines/fastpath/compiled.py).  The GPU tick's compiled pieces do not compile on CPU, so a
 small function goes through the same ``compile_dynamic`` in two fresh processes: Inductor
 on CPU, its real FX-graph cache."""
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 COMPILE_ONCE = """
 import json, torch
-from engines.compiled import compile_dynamic
+from engines.fastpath.compiled import compile_dynamic
 step = compile_dynamic(lambda x: torch.tanh(x * 2.0) + x.cos())
 step(torch.randn(4, 16))
 from torch._dynamo.utils import counters
@@ -43,7 +43,7 @@ def test_a_second_start_reuses_the_compiled_graphs(tmp_path: Path):
 
 
 def test_an_operators_own_cache_directories_win(tmp_path: Path, monkeypatch):
-    from engines.compiled import use_persistent_caches
+    from engines.fastpath.compiled import use_persistent_caches
 
     monkeypatch.setenv("PERSONAPLEX_CACHE_DIR", str(tmp_path / "p"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "i"))
@@ -63,7 +63,7 @@ def _compilations(shapes: list[tuple[int, ...]]) -> int:
     import torch
     from torch._dynamo.utils import counters
 
-    from engines.compiled import compile_dynamic
+    from engines.fastpath.compiled import compile_dynamic
 
     torch._dynamo.reset()
     counters.clear()
@@ -75,8 +75,8 @@ def _compilations(shapes: list[tuple[int, ...]]) -> int:
 
 def test_a_lone_slot_is_no_compilation_of_its_own(tmp_path: Path, monkeypatch):
     """torch specialises a batch of exactly 1, so a 1-slot tick graph would compile the tick a
-    second time at every start (engines/gpu/graphs.py); compiled engines pad it to 2."""
-    from engines.gpu.graphs import tick_buckets
+    second time at every start (engines/fastpath/graphs.py); compiled engines pad it to 2."""
+    from engines.fastpath.graphs import tick_buckets
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))

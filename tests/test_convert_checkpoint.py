@@ -16,14 +16,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from engines import checkpoint as ckpt
+from engines.checkpoints import loader as ckpt
 from engines.config import DEFAULT_PERSONA, LMConfig
-from engines.convert import llama, readme
-from engines.convert.cli import main
-from engines.convert.safetensors_stream import TensorSpec, write_streaming
-from engines.lm import MoshiLM
-from engines.modules.kv_ring import SlotKVRing, WindowMode
-from engines.trtllm.layout import BuildLayout
+from engines.export.convert import llama, readme
+from engines.export.convert.cli import main
+from engines.export.convert.safetensors_stream import TensorSpec, write_streaming
+from engines.model.lm import MoshiLM
+from engines.state.kv_ring import SlotKVRing, WindowMode
+from engines.runtime.trtllm.layout import BuildLayout
 from tests.trtllm_reference import LlamaReference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,9 +151,9 @@ def test_streaming_writer_refuses_mismatches(tmp_path):
 
 # Native artifacts and the build README ----------------------------------------------------------
 def test_native_artifacts_match_the_pytorch_engine(build32, tiny_checkpoint):
-    from engines.engine import EngineOptions, PersonaPlexEngine
+    from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
     from engines.interface import SessionSpec
-    from engines.trtllm.native import load_prefills
+    from engines.runtime.trtllm.native import load_prefills
 
     files = ckpt.locate(tiny_checkpoint)
     src = load_file(str(files.lm_weights))
@@ -172,7 +172,7 @@ def test_native_artifacts_match_the_pytorch_engine(build32, tiny_checkpoint):
         assert prefill.positions == ours.positions and prefill.offset == ours.offset
         assert torch.equal(prefill.token_cache, ours.token_cache)
     # Mimi with its codebooks precomputed encodes exactly like the original file.
-    from engines.mimi import MimiCodec
+    from engines.model.mimi import MimiCodec
 
     mimi_cfg = files.mimi_config
     a = MimiCodec.from_state_dict(mimi_cfg, load_file(str(build32.mimi)), 1)
@@ -263,7 +263,7 @@ def test_bad_inputs_exit_2_with_one_line(tiny_checkpoint, tmp_path, capsys):
 
 
 def test_cli_choices_are_the_converters():
-    from engines.convert import cli
+    from engines.export.convert import cli
 
     choices = {action.dest: action.choices for action in cli.build_parser()._actions}
     assert set(choices["dtype"]) == set(llama.DTYPES) and tuple(choices["kv_cache_dtype"]) == llama.KV_CACHE_DTYPES

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from engines import checkpoint as ckpt
-from engines.engine import EngineOptions, PersonaPlexEngine
+from engines.checkpoints import loader as ckpt
+from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
 from engines.interface import WAITING, InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec, to_completion
-from engines.modules.prompt_kv import PromptKV
-from engines.prefill import plan_prompt, prefill_pieces
+from engines.state.prompt_kv import PromptKV
+from engines.model.prefill import plan_prompt, prefill_pieces
 
 GREEDY = SamplingParams(greedy=True)
 FRAMES = 40
@@ -299,7 +299,7 @@ def test_sixteen_step_depformer_gives_the_same_agent_audio(tiny_checkpoint, spee
 def test_the_prefill_cache_is_bounded_by_bytes_too():
     """Cached prefills live on the engine's device: beside the entry count, their bytes are
     bounded (least recently used first out), and one larger than the bound is not kept."""
-    from engines.prefill import Prefill, PrefillCache
+    from engines.model.prefill import Prefill, PrefillCache
 
     def prefill(positions: int) -> Prefill:
         kv = torch.zeros(1, 1, positions, 4)

@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engines import checkpoint as ckpt
+from engines.checkpoints import loader as ckpt
 from engines.config import LM_FILE
-from engines.convert.cli import main
-from engines.engine import EngineOptions, PersonaPlexEngine
+from engines.export.convert.cli import main
+from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
 from engines.errors import CheckpointError
 from engines.interface import SamplingParams, SessionSpec
-from engines.modules.fp8 import FP8_DTYPE
-from engines.weights_format import is_fp8_checkpoint
+from engines.model.fp8 import FP8_DTYPE
+from engines.checkpoints.weights_format import is_fp8_checkpoint
 from orchestrator.settings import Settings
 from tests.orch_support import Server, run, streams
 from tests.test_kv_fp8 import _tiny_logits

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from engines import checkpoint as ckpt
-from engines.engine import EngineOptions, PersonaPlexEngine
-from engines.lm import MoshiLM
-from engines.modules.fp8 import FP8_DTYPE
+from engines.checkpoints import loader as ckpt
+from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
+from engines.model.lm import MoshiLM
+from engines.model.fp8 import FP8_DTYPE
 from engines.interface import SamplingParams, SessionSpec
-from engines.modules.fp8_weights import Fp8Weight, is_quantized, quantize_lm_tensors, quantize_weight, scale_name
-from engines.modules.layers import fp8_matmul_for, linear
-from engines.tiny import TINY_LM
+from engines.model.fp8_weights import Fp8Weight, is_quantized, quantize_lm_tensors, quantize_weight, scale_name
+from engines.model.layers import fp8_matmul_for, linear
+from engines.checkpoints.tiny import TINY_LM
 from tests.test_kv_fp8 import _tiny_logits
 
 

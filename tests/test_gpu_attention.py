@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engines.gpu import attention
+from engines.fastpath import attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -45,7 +45,7 @@ def test_matches_direct_attention_over_wrapped_windows(dtype, C, D):
 
 @pytest.mark.parametrize("C, D", [(3000, 128), (37, 64)])
 def test_fp8_cache_matches_direct_attention_over_its_dequantised_window(C, D):
-    from engines.modules.kv_ring import dequantize_fp8, quantize_fp8
+    from engines.state.kv_ring import dequantize_fp8, quantize_fp8
 
     g = torch.Generator(device="cuda").manual_seed(1)
     S, H = 5, 4

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from engines import checkpoint as ckpt
-from engines.engine import EngineOptions, PersonaPlexEngine
+from engines.checkpoints import loader as ckpt
+from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
 from engines.interface import SamplingParams, SessionSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -116,9 +116,9 @@ def test_prefill_graph_replay_equals_the_eager_pass(tiny_checkpoint, no_tf32):
     A split prompt's pieces replayed from the piece graph give the one pass's keys too; a
     second split pass while the first holds that graph runs eagerly to the same result, or,
     allowed to wait, waits and then replays it."""
-    from engines.gpu.prefill_graphs import PrefillGraphs
+    from engines.fastpath.prefill_graphs import PrefillGraphs
     from engines.interface import WAITING, to_completion
-    from engines.prefill import plan_prompt, prefill_pieces
+    from engines.model.prefill import plan_prompt, prefill_pieces
 
     files = ckpt.locate(tiny_checkpoint)
     engine = PersonaPlexEngine.from_files(files, 2, EngineOptions(device="cuda", lm_dtype="float32"))

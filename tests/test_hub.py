@@ -1,4 +1,4 @@
-"""Checkpoints by Hugging Face repo id (engines/hub.py), with the real ``huggingface_hub``
+"""Checkpoints by Hugging Face repo id (engines/checkpoints/hub.py), with the real ``huggingface_hub``
 client against a local cache in the standard layout and a Hub stand-in on loopback: only
 the needed files, revisions, offline mode, the gated / forbidden / missing messages,
 ``voices.tgz`` unpacked once, and the tools' ``--hf-repo``."""
@@ -15,8 +15,8 @@ import pytest
 
 from engines.audio_io import write_wav
 from engines.errors import CheckpointError
-from engines.hub import RepoRef, parse_repo_ref, resolve_checkpoint
-from engines.tiny import ensure_tiny_checkpoint
+from engines.checkpoints.hub import RepoRef, parse_repo_ref, resolve_checkpoint
+from engines.checkpoints.tiny import ensure_tiny_checkpoint
 from tests.hub_support import COMMIT, FakeHub, write_hub_cache
 
 REPO = "nvidia/personaplex-7b-v1"
@@ -43,7 +43,7 @@ def hub_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
     for name in ("HF_HUB_OFFLINE", "HF_TOKEN", "HF_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
-    # huggingface_hub reads HF_HUB_OFFLINE once, at its import (engines/hub.py reads it at each
+    # huggingface_hub reads HF_HUB_OFFLINE once, at its import (engines/checkpoints/hub.py reads it at each
     # call): a test that went offline must not leave the library offline for the next.
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -76,7 +76,7 @@ def test_offline_from_the_standard_cache_with_voices_unpacked_once(hub_env: Path
     assert resolve_checkpoint(REPO, cache_dir=hub_env) == snapshot
     assert (snapshot / "voices").stat().st_mtime_ns == unpacked_at  # once
 
-    from engines.factory import create_engine
+    from engines.runtime.factory import create_engine
 
     engine = create_engine(str(resolved), max_slots=1, device="cpu")
     assert engine.voices() == voices
@@ -146,22 +146,22 @@ def test_the_tools_take_hf_repo(hub_env: Path, tiny_files, tmp_path: Path):
            "HF_HOME": str(tmp_path / "hf-home")}
     wav = tmp_path / "in.wav"
     write_wav(wav, (0.1 * np.sin(np.arange(24000) / 20)).astype(np.float32), 24000)
-    offline = subprocess.run([sys.executable, "-m", "engines.offline", "--hf-repo", REPO, "--input-wav", str(wav),
+    offline = subprocess.run([sys.executable, "-m", "engines.tools.offline", "--hf-repo", REPO, "--input-wav", str(wav),
                               "--output-wav", str(tmp_path / "out.wav"), "--output-text", str(tmp_path / "out.json"),
                               "--greedy", "--no-progress", "--device", "cpu"],
                              env=env, capture_output=True, text=True, timeout=300)
     assert offline.returncode == 0, offline.stderr[-2000:]
     assert len(json.loads((tmp_path / "out.json").read_text())) == 13  # 1 s = 12.5 frames, rounded up
     voice = tmp_path / "voices" / "ME.pt"
-    builder = subprocess.run([sys.executable, "-m", "engines.voice_builder", "--hf-repo", REPO, "--input-wav",
+    builder = subprocess.run([sys.executable, "-m", "engines.tools.voice_builder", "--hf-repo", REPO, "--input-wav",
                               str(wav), "--output", str(voice)], env=env, capture_output=True, text=True, timeout=300)
     assert builder.returncode == 0, builder.stderr[-2000:]
     assert voice.is_file() and "PERSONAPLEX_VOICE_DIR" in builder.stderr
-    refused = subprocess.run([sys.executable, "-m", "engines.offline", "--hf-repo", "nvidia/absent", "--input-wav",
+    refused = subprocess.run([sys.executable, "-m", "engines.tools.offline", "--hf-repo", "nvidia/absent", "--input-wav",
                               str(wav), "--output-wav", str(tmp_path / "o.wav"), "--output-text", str(tmp_path / "o.json"),
                               "--device", "cpu"], env=env, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith("error: nvidia/absent")
-    offload = subprocess.run([sys.executable, "-m", "engines.offline", "--cpu-offload", "--input-wav", str(wav),
+    offload = subprocess.run([sys.executable, "-m", "engines.tools.offline", "--cpu-offload", "--input-wav", str(wav),
                               "--output-wav", str(tmp_path / "o.wav"), "--output-text", str(tmp_path / "o.json")],
                              env=env, capture_output=True, text=True, timeout=300)
     assert offload.returncode == 2 and "--cpu-offload is not supported" in offload.stderr

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from engines import checkpoint as ckpt
-from engines.engine import EngineOptions, PersonaPlexEngine
+from engines.checkpoints import loader as ckpt
+from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
 from engines.interface import SamplingParams, SessionSpec
-from engines.modules.kv_ring import (FP8_DTYPE, SlotKVRing, WindowMode, dequantize_fp8, kv_bytes_per_slot,
+from engines.state.kv_ring import (FP8_DTYPE, SlotKVRing, WindowMode, dequantize_fp8, kv_bytes_per_slot,
                                      quantize_fp8, window_start)
 
 

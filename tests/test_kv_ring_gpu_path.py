@@ -22,8 +22,8 @@ pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import math, torch
-    from engines.gpu import attention
-    from engines.modules.kv_ring import SlotKVRing, WindowMode, window_start
+    from engines.fastpath import attention
+    from engines.state.kv_ring import SlotKVRing, WindowMode, window_start
 
     # No CUDA here: fixed split size instead of one derived from the SM count.
     attention._split_size = lambda C, rows, device, block, min_splits: block

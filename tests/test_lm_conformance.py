@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engines.checkpoint import SafetensorsReader, load_lm_tensors
-from engines.lm import MoshiLM
-from engines.modules.kv_ring import SlotKVRing, WindowMode
-from engines.tiny import TINY_LM
+from engines.checkpoints.loader import SafetensorsReader, load_lm_tensors
+from engines.model.lm import MoshiLM
+from engines.state.kv_ring import SlotKVRing, WindowMode
+from engines.checkpoints.tiny import TINY_LM
 from tests.oracle import official_lm_state_dict, tiny_oracle_lm
 
 STEPS = TINY_LM.context + 14  # wraps the 32-position window

@@ -18,8 +18,8 @@ pytest.importorskip("moshi")
 sphn = pytest.importorskip("sphn")
 
 from engines.errors import CheckpointError  # noqa: E402
-from engines.mimi import MimiCodec  # noqa: E402
-from engines.modules.kv_ring import WindowMode  # noqa: E402
+from engines.model.mimi import MimiCodec  # noqa: E402
+from engines.state.kv_ring import WindowMode  # noqa: E402
 from tests.mimi_oracle import (  # noqa: E402
     FRAME,
     build_oracle,

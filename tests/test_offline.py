@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engines import offline, voice_builder
+from engines.tools import offline, voice_builder
 from engines.audio_io import read_audio, write_wav
 
 SECONDS = 4.0
@@ -127,7 +127,7 @@ def test_bad_input_files(tmp_path, tiny_checkpoint, capsys):
 
 def test_cli_process_reports_errors_without_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "engines.offline", "--checkpoint", str(tmp_path / "missing"),
+        [sys.executable, "-m", "engines.tools.offline", "--checkpoint", str(tmp_path / "missing"),
          "--input-wav", "x.wav", "--output-wav", str(tmp_path / "o.wav"), "--output-text", str(tmp_path / "o.json")],
         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=120,
     )

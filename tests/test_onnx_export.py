@@ -1,4 +1,4 @@
-"""ONNX exports (engines/onnx_export) run on onnxruntime CPU against the PyTorch engine.
+"""ONNX exports (engines/export/onnx) run on onnxruntime CPU against the PyTorch engine.
 
 Mimi: the tiny checkpoint's codec (real frame geometry, 8 codebooks, a 20-step transformer
 context so the window wraps every 10 frames), LayerScale raised from 0.01 so the
@@ -20,21 +20,21 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
 pytest.importorskip("onnxruntime")
 
-from engines import checkpoint as ckpt
+from engines.checkpoints import loader as ckpt
 from engines.config import FRAME_SAMPLES
-from engines.lm import MoshiLM
-from engines.mimi import MimiCodec
-from engines.modules.kv_ring import WindowMode
-from engines.onnx_export import (
+from engines.model.lm import MoshiLM
+from engines.model.mimi import MimiCodec
+from engines.state.kv_ring import WindowMode
+from engines.export.onnx import (
     OrtGraph,
     depformer_noise,
     export_depformer_onnx,
     export_mimi_onnx,
 )
-from engines.onnx_export.depformer_graph import DepformerGraph
-from engines.onnx_export.mimi_graph import MimiEncoderGraph
-from engines.onnx_export.state import StepLayout
-from engines.sampling import SamplingBatch, sample_tokens
+from engines.export.onnx.depformer_graph import DepformerGraph
+from engines.export.onnx.mimi_graph import MimiEncoderGraph
+from engines.export.onnx.state import StepLayout
+from engines.model.sampling import SamplingBatch, sample_tokens
 
 MIMI_FRAMES = 120
 RESTART_FRAME = 37  # session 2 starts over here
@@ -42,7 +42,7 @@ RESTART_FRAME = 37  # session 2 starts over here
 # latent differ by less than this (relative, float64).  onnxruntime's float32 kernels sum in
 # another order than PyTorch's, moving latents by ~2e-6 (relative); that can flip such a tie
 # (seen once in these 360 session-frames, a gap of 1.6e-7), exactly as PyTorch's own
-# non-streaming kernels can (engines/mimi/codec.py).  Typical gaps are ~1e-2.
+# non-streaming kernels can (engines/model/mimi/codec.py).  Typical gaps are ~1e-2.
 NEAR_TIE = 1e-4
 MAX_TIED_FRAMES = 0.01  # fraction of session-frames that may hold such a flip
 DEP_STEPS = 8
@@ -287,7 +287,7 @@ def test_full_size_mimi_onnx_matches_pytorch(speech_frames, tmp_path):
     """The released Mimi geometry (512 channels, 8-layer transformers, context 250) with
     random weights in the official layout: the export and its state shapes at full size."""
     from engines.config import MimiConfig
-    from engines.tiny import mimi_tensors
+    from engines.checkpoints.tiny import mimi_tensors
 
     cfg = MimiConfig()
     mimi = MimiCodec.from_state_dict(cfg, mimi_tensors(cfg, torch.Generator().manual_seed(0)), 2)

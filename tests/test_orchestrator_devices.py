@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import websockets
 
-from engines.random_weights import RANDOM_MODEL_BYTES
+from engines.checkpoints.random_weights import RANDOM_MODEL_BYTES
 from orchestrator.frontend.engine_pool import DeviceEngine, EnginePool
 from orchestrator.lockstep.scheduler import EngineCall
 from orchestrator.metrics import Metrics
@@ -301,8 +301,8 @@ def test_random_model_bytes_are_the_7b_parameter_bytes():
     import torch
 
     from engines.config import LMConfig, MimiConfig
-    from engines.lm import MoshiLM
-    from engines.mimi import MimiCodec
+    from engines.model.lm import MoshiLM
+    from engines.model.mimi import MimiCodec
 
     with torch.device("meta"):
         lm = MoshiLM(LMConfig(), 16)
@@ -312,13 +312,13 @@ def test_random_model_bytes_are_the_7b_parameter_bytes():
 
 
 def test_random_checkpoint_builds_through_the_benchmark_engine(monkeypatch: pytest.MonkeyPatch):
-    """create_engine("random:personaplex-7b") is engines.random_model.build_random_engine at the 7B
+    """create_engine("random:personaplex-7b") is engines.checkpoints.random_model.build_random_engine at the 7B
     shapes with the tiny checkpoint's tokenizer and voice names (recorded, not built: 7B on CPU
     is too slow; random:tiny builds for real in the server test above)."""
-    from engines import random_model
+    from engines.checkpoints import random_model
     from engines.config import LMConfig, MimiConfig
-    from engines.factory import create_engine
-    from engines.tiny import TINY_VOICES
+    from engines.runtime.factory import create_engine
+    from engines.checkpoints.tiny import TINY_VOICES
 
     calls = []
     monkeypatch.setattr(random_model, "build_random_engine", lambda *args, **kwargs: calls.append((args, kwargs)) or "built")
@@ -331,7 +331,7 @@ def test_random_checkpoint_builds_through_the_benchmark_engine(monkeypatch: pyte
 
 
 def test_random_voices_have_the_model_width():
-    from engines.factory import create_engine
+    from engines.runtime.factory import create_engine
 
     engine = create_engine("random:tiny", max_slots=1, device="cpu")
     assert engine.voices() == ["NATF2.pt", "NATM1.pt", "VARF0.pt"]
@@ -433,7 +433,7 @@ def test_one_failed_engine_leaves_the_server_healthy_and_serving():
     """In process: the first engine built fails to load, the second serves.  /health stays 200
     with the failed device in its detail, /ready is 200, placement skips the failed engine,
     and the full refusal counts the whole capacity."""
-    from engines.factory import create_engine
+    from engines.runtime.factory import create_engine
     from orchestrator.frontend.services import Services
 
     def factory(*args, **kwargs):
@@ -473,7 +473,7 @@ def test_no_session_starts_while_another_engine_is_still_loading():
     """In process: engine cpu#0 loads at once, cpu#1 is held in its load.  /ready stays 503
     "loading" and a session placed on the ready engine does not open until cpu#1 is done
     (an engine still compiling would take the interpreter from the other's ticks)."""
-    from engines.factory import create_engine
+    from engines.runtime.factory import create_engine
     from engines.interface import SessionSpec
     from orchestrator.frontend.services import Services
 

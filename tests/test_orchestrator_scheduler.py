@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines.factory import create_engine
+from engines.runtime.factory import create_engine
 from engines.interface import WAITING, InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec
 from orchestrator.metrics import Metrics
 from orchestrator.lockstep.scheduler import FrameResult, TickScheduler

@@ -22,9 +22,9 @@ import time
 import pytest
 import torch
 
-from engines.factory import create_torch_engine
-from engines.tiny import ensure_tiny_checkpoint
-from engines.voices import build_voice_prompt
+from engines.runtime.factory import create_torch_engine
+from engines.checkpoints.tiny import ensure_tiny_checkpoint
+from engines.checkpoints.voices import build_voice_prompt
 from tests.hub_support import write_hub_cache
 from tests.orch_support import REPO, Client, Server, f32_append, run, speech, speech_frames
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines import checkpoint as ckpt
+from engines.checkpoints import loader as ckpt
 from engines.config import SILENCE_TOKENS, SINE_TOKENS, TEXT_PAD_ID
-from engines.engine import EngineOptions, PersonaPlexEngine
+from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
 from engines.interface import SamplingParams, SessionSpec
 
 

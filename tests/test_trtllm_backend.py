@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from engines import checkpoint as ckpt
-from engines.convert.cli import main as convert_main
-from engines.engine import EngineOptions, PersonaPlexEngine
-from engines.factory import create_engine
+from engines.checkpoints import loader as ckpt
+from engines.export.convert.cli import main as convert_main
+from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
+from engines.runtime.factory import create_engine
 from engines.interface import NoFreeSlot, SamplingParams, SessionSpec
-from engines.trtllm import BackendUnavailable, check_build
-from engines.trtllm.engine import TrtllmEngine, attention_window
-from engines.trtllm.layout import BuildLayout
-from engines.trtllm.prompt_table import CONTEXT, GENERATION, context_call, decode_call
-from engines.trtllm.kv_blocks import SlotKVBlocks, SlotPositions
-from engines.trtllm.temporal import TemporalRunner
+from engines.runtime.trtllm import BackendUnavailable, check_build
+from engines.runtime.trtllm.engine import TrtllmEngine, attention_window
+from engines.runtime.trtllm.layout import BuildLayout
+from engines.runtime.trtllm.prompt_table import CONTEXT, GENERATION, context_call, decode_call
+from engines.runtime.trtllm.kv_blocks import SlotKVBlocks, SlotPositions
+from engines.runtime.trtllm.temporal import TemporalRunner
 from orchestrator.settings import Settings, SettingsError
 from tests.trtllm_reference import LlamaReference, PagedExecutor
 
@@ -207,7 +207,7 @@ def test_an_install_that_fails_gives_the_slot_back(build, monkeypatch):
 def test_both_backends_run_one_tick():
     """The tick, the slots' life cycle and the step are the shared runtime's; a backend only
     says how its temporal transformer is called and holds a slot's context."""
-    from engines.runtime import EngineRuntime
+    from engines.runtime.engine_runtime import EngineRuntime
 
     shared = {"step", "live_tick", "step_tokens", "lm_call", "open_slot", "close_slot", "restart_slot", "_install",
               "_reset"}
@@ -218,7 +218,7 @@ def test_both_backends_run_one_tick():
 
 class ModuleGraph:
     """An exported graph's own PyTorch module (what ``torch.onnx.export`` traces), run with
-    the named-tensor contract of its TensorRT plan (engines.trtllm.plans.Graph)."""
+    the named-tensor contract of its TensorRT plan (engines.runtime.trtllm.plans.Graph)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module, self.layout = module.eval(), module.layout
@@ -232,9 +232,9 @@ class ModuleGraph:
 def test_tick_with_mimi_and_depformer_graphs(build, tiny_checkpoint):
     """The plan adapters (per-slot state slabs, in-graph sampling fed the engine's noise) on
     the graphs' own modules give the PyTorch engine's frames."""
-    from engines.onnx_export.depformer_graph import DepformerGraph
-    from engines.onnx_export.mimi_graph import MimiDecoderGraph, MimiEncoderGraph
-    from engines.trtllm.plans import GraphDepformer, GraphMimi
+    from engines.export.onnx.depformer_graph import DepformerGraph
+    from engines.export.onnx.mimi_graph import MimiDecoderGraph, MimiEncoderGraph
+    from engines.runtime.trtllm.plans import GraphDepformer, GraphMimi
 
     trt = TrtllmEngine.from_build(build, executor(build, 2), num_slots=2, device="cpu")
     codec = trt.mimi

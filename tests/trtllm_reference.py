@@ -1,7 +1,7 @@
 """A plain-PyTorch model of the TensorRT-LLM Llama engine the converter's checkpoint builds.
 
 Written from TensorRT-LLM's documented checkpoint names and layer semantics only, never
-from our model code (engines/lm.py), so it checks the conversion independently:
+from our model code (engines/model/lm.py), so it checks the conversion independently:
 
 - embedding: ``PromptTuningEmbedding`` - ids >= vocab_size read row
   ``tasks * prompt_vocab_size + (id - vocab_size)`` of the prompt table;

@@ -29,7 +29,7 @@ def run_engine(run_dir: Path, index: int) -> int:
     device, label = entry["device"], entry["label"]
     import functools
 
-    from engines.factory import create_engine
+    from engines.runtime.factory import create_engine
 
     from ..fault_injection import with_fault_injection
     from ..ipc.endpoints import metrics_dir

@@ -40,7 +40,7 @@ from .engine_link import EngineLink
 
 log = logging.getLogger(__name__)
 
-EngineFactory = Callable[..., Engine]  # engines.factory.create_engine's signature
+EngineFactory = Callable[..., Engine]  # engines.runtime.factory.create_engine's signature
 # on_stall(engine, call, elapsed): an engine call of ``engine`` is past the watchdog deadline.
 StallHandler = Callable[["DeviceEngine", EngineCall, float], None]
 

@@ -4,7 +4,7 @@ this one explains).
 
 The engine is loaded once (``random:personaplex-7b`` on the GPU by default, fp8 KV).  LANES
 live lanes are opened with full windows (the default session's prefill moved past the
-window, as ``engines.bench`` does) and each is fed one frame every 80 ms on its own phase of
+window, as ``engines.tools.bench`` does) and each is fed one frame every 80 ms on its own phase of
 the period, as paced clients send.  For every output frame the lag is the time from its
 input frame's push to its result being handed back.  Phase 1 (``--quiet-s``) has no joins;
 in phase 2 (``--join-s``) a session joins every ``--join-every-s`` with a persona of
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import importlib
 import platform
 import sys
 import threading
@@ -59,11 +60,21 @@ def summarize(lags_ms: dict[str, list[float]], gaps_ms: dict[str, list[float]], 
     }
 
 
+def _engines_module(name: str, before_levels: str):
+    """Module ``name``, or ``before_levels`` in trees from before engines/ was split into
+    levels (``--tree`` of an older revision)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        return importlib.import_module(before_levels)
+
+
 def time_pieces(engine, spec, torch) -> dict:
     """Wall time of each piece of a cold prefill of ``spec`` on the idle engine (synchronised),
     in pieces of the engine's size and of others (the first runs of a new size may compile),
     and in one piece."""
-    from engines.prefill import plan_prompt, prefill_pieces
+    prefill = _engines_module("engines.model.prefill", "engines.prefill")
+    plan_prompt, prefill_pieces = prefill.plan_prompt, prefill.prefill_pieces
 
     def sync() -> None:
         if engine.device.type == "cuda":
@@ -122,8 +133,8 @@ def main() -> int:
         sys.path.insert(0, str(Path(args.tree).resolve()))
     import torch
 
-    from engines.bench import full_window_prefill
-    from engines.factory import create_engine
+    full_window_prefill = _engines_module("engines.tools.bench", "engines.bench").full_window_prefill
+    create_engine = _engines_module("engines.runtime.factory", "engines.factory").create_engine
     from engines.interface import SessionSpec
     from orchestrator.lockstep.scheduler import FrameResult, TickScheduler
     from orchestrator.metrics import Metrics

@@ -1,0 +1,1 @@
+"""The GPU fast path, attached at the edge: Triton attention, CUDA graphs, the torch.compile policy."""

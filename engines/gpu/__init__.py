@@ -1,1 +1,0 @@
-"""GPU fast-path pieces (Triton kernels); every one has a PyTorch fallback used on CPU."""

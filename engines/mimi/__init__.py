@@ -1,5 +1,0 @@
-"""Mimi speech codec (24 kHz <-> 12.5 Hz x 8 codebooks), batched over session slots."""
-
-from engines.mimi.codec import MimiCodec
-
-__all__ = ["MimiCodec"]

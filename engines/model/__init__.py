@@ -1,0 +1,1 @@
+"""Pure compute of the Moshi/PersonaPlex model: the LM, its layers, sampling, the prompt pass, Mimi."""

@@ -1,0 +1,233 @@
+"""The engine runtime both backends share: session slots, sampling settings, the token ring,
+Mimi, and one implementation of the tick's call sequence (spec/model.md 3.2).
+
+A tick for slots [B]: Mimi-encode each slot's 80 ms of user audio -> teacher-force the user
+codes into each slot's token ring -> embed the input position's 17 streams -> the temporal
+transformer -> sample text -> the depformer (8 agent codebooks by default) -> Mimi-decode the
+de-delayed agent frame.  A backend (``engine.PersonaPlexEngine``, ``trtllm.TrtllmEngine``)
+supplies what differs: where the temporal transformer runs and holds each slot's context
+(``temporal_call``, ``install_context``, ``release_context``), how a session's system prompt
+is prepared (``prepare_in_pieces``), and optionally a faster tick or depformer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from engines.config import LMConfig
+from engines.interface import EngineInfo, FrameOutput, SessionSpec, to_completion
+from engines.model.lm import MoshiLM
+from engines.runtime.profiling import StageClock
+from engines.state.session_slots import SessionSlots, SlotSettings
+from engines.state.token_state import TokenState
+from engines.checkpoints.tokenizer import TextTokenizer
+from engines.checkpoints.voices import VoiceStore
+
+
+class EngineRuntime:
+    """``num_slots`` session slots and the shared tick.  ``scratch``: one more slot past the
+    sessions' (``self.scratch``) for work that is no session's: tick-graph padding, voices."""
+
+    info: EngineInfo
+
+    def __init__(self, cfg: LMConfig, lm: MoshiLM, mimi: Any, tokenizer: TextTokenizer, voices: VoiceStore,
+                 num_slots: int, device: torch.device, window: str, scratch: bool) -> None:
+        self.cfg = cfg
+        self.lm = lm  # the embedding tables and the depformer (all of the model for the PyTorch backend)
+        self.mimi = mimi
+        self.tokenizer = tokenizer
+        self.voice_store = voices
+        self.num_slots = num_slots
+        self.device = device
+        self.window = window
+        self.slots = SessionSlots(num_slots)
+        total = num_slots + 1 if scratch else num_slots
+        self.scratch = num_slots if scratch else None
+        self.tokens = TokenState(cfg, total, device=device)
+        self.settings = SlotSettings(total, device)
+        self.clock = StageClock()  # per-stage timing for benchmarks (GPU only)
+
+    # What a backend provides ------------------------------------------------------------------
+    def temporal_call(self, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The temporal transformer on input embeddings ``x`` [B, 1, D] of ``slots`` at their
+        next positions: (normed hidden state [B, D], text logits [B, text_card] in float32)."""
+        raise NotImplementedError
+
+    def install_context(self, slot: int, prefill: Any) -> None:
+        """Give ``slot`` the temporal context of ``prefill`` (``prepare``'s result)."""
+        raise NotImplementedError
+
+    def release_context(self, slot: int) -> None:
+        """Forget ``slot``'s temporal context."""
+        raise NotImplementedError
+
+    def prepare_in_pieces(self, spec: SessionSpec) -> Any:
+        raise NotImplementedError
+
+    def depformer_call(self, slots: torch.Tensor, hidden: torch.Tensor, text: torch.Tensor, forced: torch.Tensor,
+                       forced_mask: torch.Tensor) -> torch.Tensor:
+        """The depformer's samples [B, steps] for one frame (``MoshiLM.depformer``)."""
+        return self.lm.depformer(hidden, text, forced, forced_mask,
+                                 lambda k, logits: self.sample(slots, 1 + k, logits, text=False), self.window)
+
+    def sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
+        """``stream``'s tokens for ``slots`` from float32 ``logits`` with their settings."""
+        return self.settings.sample(slots, stream, logits, text)
+
+    def encode_user(self, slots: torch.Tensor, pcm: torch.Tensor) -> torch.Tensor:
+        return self.mimi.encode_step(slots, pcm)
+
+    def decode_agent(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        return self.mimi.decode_step(slots, codes)
+
+    def run_tick(self, slots: Sequence[int], pcm: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """One tick of checked ``slots``: (agent pcm [B, 1920], text ids), eagerly."""
+        idx = torch.tensor(list(slots), device=self.device, dtype=torch.long)
+        with torch.inference_mode():
+            self.clock.start()
+            agent_pcm, text = self.live_tick(idx, torch.from_numpy(pcm).to(self.device))
+        text_ids = text.tolist()  # the tick's one host synchronisation
+        return agent_pcm.float().cpu().numpy(), text_ids
+
+    def capture_graphs(self) -> None:
+        """Nothing to capture unless a backend says otherwise."""
+
+    # Engine interface ---------------------------------------------------------------------------
+    def voices(self) -> list[str]:
+        return self.voice_store.names()
+
+    def validate(self, spec: SessionSpec) -> None:
+        self.voice_store.check(spec.voice)
+
+    def prepare(self, spec: SessionSpec) -> Any:
+        return to_completion(self.prepare_in_pieces(spec))
+
+    def open_slot(self, spec: SessionSpec, prefill: Any = None) -> int:
+        """``prefill``: ``prepare``'s result (benchmarks also fill windows this way)."""
+        if prefill is None:
+            prefill = self.prepare(spec)
+        slot = self.slots.reserve()
+        try:
+            self.settings.set(slot, spec)
+            self._install(slot, prefill)
+        except BaseException:
+            try:
+                self._reset(slot)  # nothing of a half-installed session stays reachable
+            finally:
+                self.slots.cancel(slot)  # whatever failed, the slot is not lost
+            raise
+        self.slots.bind(slot, spec)
+        return slot
+
+    def restart_slot(self, slot: int, prefill: Any = None) -> None:
+        spec = self.slots.spec(slot)
+        self._install(slot, prefill if prefill is not None else self.prepare(spec))
+
+    def close_slot(self, slot: int) -> None:
+        """Free ``slot``, wiped now rather than on the next open: nothing of its session stays
+        reachable.  The slot is free even if the wipe raises."""
+        self.slots.spec(slot)
+        try:
+            self._reset(slot)
+        finally:
+            self.slots.release(slot)
+
+    def free_slots(self) -> int:
+        return self.slots.free()
+
+    def open_slots(self) -> list[int]:
+        return self.slots.open()
+
+    def step(self, slots: Sequence[int], pcm: np.ndarray) -> list[FrameOutput]:
+        if len(slots) == 0:
+            return []
+        self.clock.host_start()
+        pcm = self.slots.check_step(slots, pcm)
+        audio, text_ids = self.run_tick(slots, pcm)
+        outputs = [FrameOutput(audio[i], t, self.tokenizer.transcript_piece(t)) for i, t in enumerate(text_ids)]
+        self.clock.host_mark("outputs")
+        return outputs
+
+    # The tick -------------------------------------------------------------------------------------
+    def live_tick(self, slots: torch.Tensor, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode -> LM -> depformer -> decode for live ``slots`` [B] with ``pcm`` [B, 1920].
+
+        Device tensors in and out (agent pcm [B, 1920], text ids [B]); no validation and no
+        host synchronisation, so it can be captured in a CUDA graph.
+        """
+        user_codes = self.encode_user(slots, pcm)
+        self.clock.mark("mimi_encode")
+        out = self.step_tokens(slots, user_codes)
+        # Rows of the scratch slot (graph padding) may hold placeholder ids: clamp for Mimi.
+        agent = out[:, 1 : 1 + self.cfg.audio_codebooks].clamp(0, self.cfg.card - 1)
+        agent_pcm = self.decode_agent(slots, agent)
+        self.clock.mark("mimi_decode")
+        return agent_pcm, out[:, 0]
+
+    def step_tokens(self, slots: torch.Tensor, user_codes: torch.Tensor) -> torch.Tensor:
+        """One live LM call: force ``user_codes`` [B, 8], return the emitted frames [B, 17]."""
+        cfg = self.cfg
+        forced = torch.zeros(slots.shape[0], cfg.num_streams, dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(forced, dtype=torch.bool)
+        half = cfg.audio_codebooks
+        forced[:, 1 + half :] = user_codes
+        mask[:, 1 + half :] = True
+        return self.lm_call(slots, forced, mask, live=True)
+
+    def lm_call(
+        self,
+        slots: torch.Tensor,
+        forced: torch.Tensor,
+        mask: torch.Tensor,
+        embeddings: torch.Tensor | None = None,
+        capture: list[torch.Tensor] | None = None,
+        live: bool = False,
+    ) -> torch.Tensor | None:
+        """One call of the PersonaPlex loop (model.md 3.2) for slots in the same phase.
+
+        ``forced``/``mask`` [B, 17] teacher-force this call's frame; ``embeddings`` [B, D]
+        replaces the token embedding of the input position (voice replay); the input
+        embedding of a model call is appended to ``capture`` when given (voice building).
+        ``live`` slots are past their system prompt: no phase checks, no host synchronisation.
+        """
+        self.tokens.force(slots, forced, mask)
+        if not live:
+            offsets = self.tokens.offset[slots]
+            if bool((offsets == 0).all()):
+                self.tokens.skip_call(slots)
+                return None
+            if bool((offsets == 0).any()):
+                raise RuntimeError("slots in different start-up phases cannot share a call")
+        model_input, target, target_forced = self.tokens.begin_call(slots)
+        if embeddings is None:
+            x = self.lm.embed_tokens(model_input.unsqueeze(1))
+        else:
+            x = embeddings.unsqueeze(1).to(self.lm.dtype)
+        if capture is not None:
+            capture.append(x)
+        hidden, text_logits = self.temporal_call(slots, x)
+        text = self.sample(slots, 0, text_logits, text=True)
+        self.clock.mark("temporal")
+        text_in = torch.where(target_forced[:, 0], target[:, 0], text)
+        steps = self.lm.depformer_steps
+        audio = self.depformer_call(slots, hidden, text_in, target[:, 1 : 1 + steps], target_forced[:, 1 : 1 + steps])
+        self.settings.counter[slots] += 1
+        out = self.tokens.end_call(slots, text, audio, live=live)
+        self.clock.mark("depformer")
+        return out
+
+    # Slots ------------------------------------------------------------------------------------------
+    def _install(self, slot: int, prefill: Any) -> None:
+        self._reset(slot)
+        self.install_context(slot, prefill)
+        self.tokens.restore(slot, prefill.token_cache, prefill.token_provided, prefill.offset)
+
+    def _reset(self, slot: int) -> None:
+        idx = torch.tensor([slot], device=self.device)
+        self.release_context(slot)
+        self.tokens.reset(idx)
+        self.mimi.reset(idx)
+        self.settings.counter[slot] = 0

@@ -1,0 +1,320 @@
+"""The PyTorch engine: a fixed pool of session slots advanced in batched lockstep.
+
+The tick is the shared runtime's (``engines.runtime.engine_runtime``); this backend runs the temporal
+transformer itself, over a ``SlotKVRing``, prepares system prompts with the split prefill,
+and on CUDA replays whole ticks from CUDA graphs.  Every piece of per-session state (KV
+ring, token ring, Mimi state, RNG counter, sampling settings) is a tensor indexed by slot,
+so any subset of slots can advance together and resetting one slot touches no other.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from engines import progress
+from engines.checkpoints.loader import (
+    CheckpointFiles,
+    SafetensorsReader,
+    is_fp8_copy,
+    iter_fp8_copy_tensors,
+    iter_lm_tensors,
+)
+from engines.fastpath.compiled import compile_dynamic
+from engines.config import KV_CACHE_MODES, SINE_TOKENS, TEXT_PAD_ID, WEIGHT_MODES
+from engines.interface import EngineInfo, Pieces, SessionSpec, to_completion
+from engines.model.lm import MoshiLM
+from engines.model.mimi import MimiCodec
+from engines.model.fp8_weights import fp8_state_entries, quantize_lm_tensors
+from engines.state.kv_ring import SlotKVRing, WindowMode
+from engines.model.layers import fp8_matmul_for
+from engines.model.prefill import (
+    PREFILL_CHUNK,
+    Prefill,
+    PrefillCache,
+    plan_prompt,
+    prefill_pieces,
+    prompt_frames,
+    voice_replay_frame,
+)
+from engines.runtime.engine_runtime import EngineRuntime
+from engines.model.sampling import (
+    STATIC_TOP_K,
+    SamplingBatch,
+    exponential_noise,
+    sample_tokens,
+    stream_salt,
+)
+from engines.checkpoints.tokenizer import TextTokenizer
+from engines.checkpoints.voices import VoiceStore
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "cpu"
+    window: str = WindowMode.REFERENCE
+    # 8 runs only the agent codebooks (the user-side steps are dead compute, model.md 3.4);
+    # 16 reproduces the reference's full depformer for conformance checks.
+    depformer_steps: int = 8
+    prefill_cache_entries: int = 16
+    # ... and at most this many bytes of them (they live on the engine's device, in the
+    # headroom the server's admission leaves beside the sessions' windows).
+    prefill_cache_bytes: int = 2 << 30
+    # On CUDA, live ticks replay CUDA graphs captured per batch bucket (padded with the
+    # scratch slot); buckets above the slot count are dropped.
+    cuda_graphs: bool = True
+    # LM weight/activation dtype: None = float32 on CPU (the exact path), bfloat16 elsewhere.
+    lm_dtype: str | None = None
+    graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160)
+    # Prompt positions per piece of a cold prefill: the scheduler runs live ticks between
+    # pieces, so this bounds how long a joining session can hold them up.
+    prefill_chunk: int = PREFILL_CHUNK
+    # Temporal KV cache storage: "auto" = the LM dtype; "fp8" = float8 e4m3 with per-
+    # (position, head) scales (engines.state.kv_ring): half the bytes per decode step.
+    kv_cache: str = "auto"
+    # LM weights: "auto" = the LM dtype; "fp8" = the projections and FFNs in float8 e4m3
+    # with per-output-channel scales, quantized at load (half their bytes, read every tick).
+    weights: str = "auto"
+    # How fp8 weights multiply (engines.model.layers.linear): "auto" = fp8 tensor cores
+    # ("scaled_mm") where the GPU has them, else "w8a16" (dequantize, then the usual GEMM).
+    fp8_matmul: str = "auto"
+    # torch.compile the layer blocks, embeddings, sampling and fp8 writes (CUDA fast path:
+    # far fewer kernels per tick; first use of each shape compiles, tens of seconds).
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.window not in WindowMode.ALL:
+            raise ValueError(f"window must be one of {WindowMode.ALL}, got {self.window!r}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+
+
+def _sample_static(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor,
+                   noise: torch.Tensor) -> torch.Tensor:
+    """Sampling with the static top-k width of graph-captured ticks (tensors only, so it
+    can be compiled)."""
+    return sample_tokens(logits, SamplingBatch(temperature, top_k, greedy), noise, k_max=STATIC_TOP_K)
+
+
+class PersonaPlexEngine(EngineRuntime):
+    def __init__(
+        self,
+        lm: MoshiLM,
+        mimi: MimiCodec,
+        tokenizer: TextTokenizer,
+        voices: VoiceStore,
+        num_slots: int,
+        options: EngineOptions = EngineOptions(),
+        model_name: str = "personaplex",
+        is_demo: bool = False,
+    ) -> None:
+        cfg = lm.cfg
+        # The scratch slot (the last): tick graphs pad with it, voices are built in it.
+        super().__init__(cfg, lm, mimi, tokenizer, voices, num_slots, lm.device, options.window, scratch=True)
+        self.options = options
+        self.kv = SlotKVRing(cfg.num_layers, num_slots + 1, cfg.num_heads, cfg.context, cfg.head_dim,
+                             device=self.device, dtype=lm.dtype, fp8=options.kv_cache == "fp8")
+        self.prefills = PrefillCache(options.prefill_cache_entries, options.prefill_cache_bytes)
+        # Accelerators sample with static shapes and no host sync (graph capture); the CPU
+        # path keeps the cheaper data-dependent sampling.
+        self._static_sampling = self.device.type == "cuda"
+        self._noise = exponential_noise
+        self._sample_static = _sample_static
+        # Per-stream hash salts as device scalars: a graph-safe, compile-friendly argument.
+        self._salts = torch.tensor([stream_salt(k) for k in range(cfg.num_streams)], device=self.device)
+        if options.compile:
+            lm.compile_blocks()
+            mimi.compile_steps()
+            self.kv.compile_quantizer()
+            self._noise = compile_dynamic(exponential_noise)
+            self._sample_static = compile_dynamic(_sample_static, fullgraph=False)
+        self.graphs = None
+        self.prefill_graphs = None
+        if self.device.type == "cuda" and options.cuda_graphs:
+            from engines.fastpath.graphs import TickGraphs
+            from engines.fastpath.prefill_graphs import PrefillGraphs
+
+            self.graphs = TickGraphs(self, options.graph_buckets)
+            self.prefill_graphs = PrefillGraphs(lm, options.window, cfg.context, options.prefill_chunk)
+        self.info = EngineInfo(
+            model=model_name,
+            backend="torch",
+            device=str(self.device),
+            max_slots=num_slots,
+            is_demo=is_demo,
+        )
+
+    # Construction -------------------------------------------------------------------------
+    @classmethod
+    def from_files(
+        cls,
+        files: CheckpointFiles,
+        num_slots: int,
+        options: EngineOptions = EngineOptions(),
+        is_demo: bool = False,
+    ) -> "PersonaPlexEngine":
+        device = torch.device(options.device)
+        if options.lm_dtype is not None:
+            lm_dtype = getattr(torch, options.lm_dtype)
+        else:
+            lm_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        cfg = files.lm_config
+        reader = SafetensorsReader(files.lm_weights)
+        stored_fp8 = is_fp8_copy(reader)  # convert_checkpoint.py --target torch-fp8 wrote it
+        fp8 = options.weights == "fp8" or stored_fp8
+        fp8_matmul = fp8_matmul_for(device, options.fp8_matmul) if fp8 else None
+        lm = MoshiLM(cfg, options.depformer_steps, fp8_matmul)
+        how = "" if not fp8 else f" ({'stored' if stored_fp8 else 'quantized at load'} in fp8, {fp8_matmul} products)"
+        log.info("loading LM weights from %s%s", files.lm_weights, how)
+        progress.report(progress.WEIGHTS, files.lm_weights.name)
+
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=lm_dtype)
+
+        if stored_fp8:
+            with torch.device("meta"):
+                expected = MoshiLM(cfg, options.depformer_steps, fp8_matmul).state_dict()
+            tensors = iter_fp8_copy_tensors(reader, expected, convert, place=lambda t: t.to(device))
+        else:
+            tensors = iter_lm_tensors(reader, cfg, options.depformer_steps, convert)
+            if fp8:  # on the device, a layer at a time: its bf16 copy never all exists at once
+                tensors = fp8_state_entries(quantize_lm_tensors(tensors))
+        lm.load_state_dict(dict(tensors), strict=True, assign=True)
+        lm.eval()
+        log.info("loading Mimi weights from %s", files.mimi_weights)
+        progress.report(progress.WEIGHTS, files.mimi_weights.name)
+        mimi_state = SafetensorsReader(files.mimi_weights).state_dict()
+        mimi = MimiCodec.from_state_dict(files.mimi_config, mimi_state, num_slots + 1,
+                                         window=options.window, device=device)
+        tokenizer = TextTokenizer(files.tokenizer)
+        voices = VoiceStore(files.voices_dir, files.root, files.voices_archive, cfg.dim, cfg.num_streams)
+        return cls(lm, mimi, tokenizer, voices, num_slots, options, model_name=files.name, is_demo=is_demo)
+
+    # The backend ------------------------------------------------------------------------------
+    def prepare(self, spec: SessionSpec) -> Prefill:
+        return to_completion(self._prefill(spec, wait=False))
+
+    def prepare_in_pieces(self, spec: SessionSpec) -> Pieces[Prefill]:
+        """The prefill of ``spec`` from the cache, or computed ``options.prefill_chunk``
+        prompt positions per piece (the first piece also validates, tokenizes and plans; for a
+        persona longer than a chunk those are pieces of their own: both grow with its length).  On CUDA a long prompt waits (``WAITING``) while
+        another one holds the piece graph, rather than taking a cache of its own."""
+        return self._prefill(spec, wait=True)
+
+    def _prefill(self, spec: SessionSpec, wait: bool) -> Pieces[Prefill]:
+        self.validate(spec)
+        persona = tuple(self.tokenizer.persona_tokens(spec.effective_persona))
+        key = (spec.voice, persona)
+        prefill = self.prefills.get(key)
+        if prefill is None:
+            voice = self.voice_store.load(spec.voice)
+            long_persona = len(persona) > self.options.prefill_chunk
+            if long_persona:
+                yield  # tokenizing a long persona is a piece of its own; planning it, another
+            plan = plan_prompt(self.cfg, voice, persona)
+            if long_persona:
+                yield
+            prefill = yield from prefill_pieces(self.lm, voice, plan, self.options.window, self.kv.capacity,
+                                                self.options.prefill_chunk, self.prefill_graphs, wait)
+            self.prefills.put(key, prefill)
+            log.info("prefill for voice %s and a %d-token persona: %d positions",
+                     spec.voice, len(persona), prefill.positions)
+        return prefill
+
+    def encode_voice(self, frames: np.ndarray) -> dict[str, torch.Tensor]:
+        """A voice prompt from 80 ms frames [N, 1920] of a speaker (``voices.build_voice_prompt``
+        prepares them): each frame Mimi-encoded and forced as the agent's audio, with PAD text
+        and the sine on the user's side, through the scratch slot.  Returns NVIDIA's ``.pt``
+        contents: the model's input embeddings [N-1, 1, 1, D] in bf16 and the token ring
+        [1, 17, 4]."""
+        cfg = self.cfg
+        slot = self.scratch
+        idx = torch.tensor([slot], device=self.device)
+        forced = torch.zeros(1, cfg.num_streams, dtype=torch.long, device=self.device)
+        forced[0, 0] = TEXT_PAD_ID
+        forced[0, 1 + cfg.audio_codebooks :] = torch.tensor(SINE_TOKENS)
+        mask = torch.ones_like(forced, dtype=torch.bool)
+        captured: list[torch.Tensor] = []
+        self._reset(slot)
+        try:
+            with torch.inference_mode():
+                for frame in frames:
+                    codes = self.mimi.encode_step(idx, torch.from_numpy(frame).to(self.device).view(1, -1))
+                    forced[0, 1 : 1 + cfg.audio_codebooks] = codes[0]
+                    self.lm_call(idx, forced, mask, capture=captured)
+                cache = self.tokens.cache[slot].clone()
+        finally:
+            self._reset(slot)
+        embeddings = torch.stack([c.reshape(1, 1, -1) for c in captured]).to(torch.bfloat16).cpu()
+        return {"embeddings": embeddings, "cache": cache.unsqueeze(0).cpu()}
+
+    def capture_graphs(self) -> None:
+        """Capture the tick graph of every batch bucket, the prefill graph of every prompt
+        bucket and the split prefill's piece graph now (start-up), not on first use.  (No
+        split pass of the server runs eagerly: one that finds the piece graph held waits for
+        it, ``prepare_in_pieces``.)"""
+        if self.graphs is not None:
+            self.graphs.capture_all()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture_all()
+
+    def run_tick(self, slots: Sequence[int], pcm: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        if self.graphs is not None:
+            return self.graphs.run(list(slots), pcm)
+        return super().run_tick(slots, pcm)
+
+    def temporal_call(self, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.lm.temporal(slots, x, self.kv, self.options.window)[:, 0]
+        return hidden, self.lm.text_logits(hidden)
+
+    def install_context(self, slot: int, prefill: Prefill) -> None:
+        self.kv.install(slot, prefill.start, prefill.keys, prefill.values)
+
+    def release_context(self, slot: int) -> None:
+        self.kv.reset(torch.tensor([slot], device=self.device))
+
+    def encode_user(self, slots: torch.Tensor, pcm: torch.Tensor) -> torch.Tensor:
+        return self.mimi.encode_step_unchecked(slots, pcm)
+
+    def decode_agent(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        return self.mimi.decode_step_unchecked(slots, codes)
+
+    def sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
+        st = self.settings
+        if not self._static_sampling:
+            return st.sample(slots, stream, logits, text)
+        batch = st.batch(slots, text)
+        noise = self._noise(st.seed[slots], st.counter[slots], self._salts[stream], logits.shape[-1])
+        return self._sample_static(logits, batch.temperature, batch.top_k, batch.greedy, noise)
+
+    def prefill_stepwise(self, slot: int, spec: SessionSpec) -> None:
+        """Run ``spec``'s system prompt frame by frame, as the reference does.
+
+        Slow; exists to check the parallel prefill against the reference loop.
+        """
+        self.slots.spec(slot)
+        self._reset(slot)
+        voice = self.voice_store.load(spec.voice)
+        persona = self.tokenizer.persona_tokens(spec.effective_persona)
+        idx = torch.tensor([slot], device=self.device)
+        all_forced = torch.ones(1, self.cfg.num_streams, dtype=torch.bool, device=self.device)
+        with torch.inference_mode():
+            dummy = torch.tensor([voice_replay_frame(self.cfg).streams()], device=self.device)
+            self.lm_call(idx, dummy, all_forced)  # offset 0: no model call
+            for row in voice.embeddings:
+                self.lm_call(idx, dummy, all_forced, embeddings=row.view(1, -1).to(self.device))
+            self.tokens.cache[slot] = voice.cache.to(self.device)
+            for frame in prompt_frames(persona):
+                self.lm_call(idx, torch.tensor([frame.streams()], device=self.device), all_forced)
+        self.settings.counter[slot] = 0

@@ -1,0 +1,215 @@
+"""Per-slot ring KV cache with sliding-window causal attention.
+
+One ``SlotKVRing`` holds the keys and values of every layer of one transformer for every
+session slot: ``keys[layer, slot, head, ring_index, dim]``.  Position ``p`` of a slot lives
+at ring index ``p % capacity``; ``length[slot]`` is the number of positions written so far
+(= the absolute position of the next token; it grows without bound, only the window
+slides).
+
+Visibility is decided by absolute positions, never by ring order:
+a query at position ``p`` sees the keys ``lo(p) <= pos_k <= p`` that are still held.  The
+caller chooses ``lo`` (``window_start``): NVIDIA's reference streaming window drops the
+oldest ring entry once the ring has wrapped (spec/model.md section 10), upstream Kyutai
+moshi keeps the full ``capacity`` keys.
+
+For ``T <= capacity`` new tokens are written into the ring first and attention runs over
+the ring in ring order, which is exactly the reference's computation; longer calls attend
+over old ring + new keys and then keep the newest ``capacity`` keys.  (A prefill does not
+run here: it has its own ``PromptKV``.)
+
+``fp8=True`` stores keys and values as float8 e4m3 with one float32 scale per (position,
+head): each head's 128-vector is scaled by its own absolute maximum when written, so no
+calibration is needed and one outlier head or token cannot crush the others' precision.
+That halves the bytes every decode step reads (the cost that bounds large batches) for
+~3 % of scale storage; readers dequantise on the fly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engines.config import WindowMode, kv_window_bytes
+from engines.fastpath.compiled import compile_dynamic
+from engines.fastpath import attention as gpu_attention
+from engines.model.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+
+
+def window_start(positions: torch.Tensor, call_end: torch.Tensor, capacity: int, mode: str) -> torch.Tensor:
+    """Lowest visible key position for each query.
+
+    ``positions`` [B, T] are the query positions, ``call_end`` [B, 1] (or [B, T]) the number of
+    positions written once the *reference call* holding each query is done (its ``E``).
+    """
+    if mode == WindowMode.REFERENCE:
+        return call_end - capacity + 1
+    if mode == WindowMode.FULL:
+        return positions - capacity + 1
+    raise ValueError(f"unknown window mode {mode!r}")
+
+
+# Streaming calls of up to this many tokens attend with the GPU decode kernel (one kernel
+# row per query); longer ones (prefill chunks) gather the window once instead.
+DECODE_MAX_TOKENS = 4
+
+def ring_positions(end: torch.Tensor, size: int) -> torch.Tensor:
+    """Position held at each index [B, size] of rings of ``size`` entries that have had
+    ``end`` [B] positions written in order (position p at index p % size); -1 where none."""
+    idx = torch.arange(size, device=end.device).view(1, -1)
+    last = end.view(-1, 1) - 1
+    pos = last - torch.remainder(last - idx, size)
+    return torch.where(pos >= 0, pos, torch.full_like(pos, -1))
+
+
+def kv_bytes_per_slot(num_layers: int, num_heads: int, capacity: int, head_dim: int,
+                      dtype: torch.dtype, fp8: bool) -> int:
+    """Device bytes one slot's keys + values (+ fp8 scales) take."""
+    return kv_window_bytes(num_layers, num_heads, capacity, head_dim, torch.empty((), dtype=dtype).element_size(), fp8)
+
+
+class SlotKVRing:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_heads: int,
+        capacity: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        fp8: bool = False,
+    ) -> None:
+        self.capacity = capacity
+        self.dtype = dtype  # what attention computes in and ``export`` returns
+        self.fp8 = fp8
+        shape = (num_layers, num_slots, num_heads, capacity, head_dim)
+        store = FP8_DTYPE if fp8 else dtype
+        self.keys = torch.zeros(shape, device=device, dtype=store)
+        self.values = torch.zeros(shape, device=device, dtype=store)
+        # Per (layer, slot, head, ring index) scales; empty placeholders keep one code path.
+        scale_shape = shape[:-1] if fp8 else (num_layers, 0)
+        self.key_scales = torch.ones(scale_shape, device=device, dtype=torch.float32)
+        self.value_scales = torch.ones(scale_shape, device=device, dtype=torch.float32)
+        self.length = torch.zeros(num_slots, device=device, dtype=torch.long)
+        self._quantize = quantize_fp8
+
+    def compile_quantizer(self) -> None:
+        """Fuse the fp8 write path (amax, scale, cast) into one kernel (GPU fast path)."""
+        self._quantize = compile_dynamic(quantize_fp8)
+
+    @property
+    def num_slots(self) -> int:
+        return self.length.shape[0]
+
+    def reset(self, slots: torch.Tensor) -> None:
+        # Stale keys are harmless: positions >= length are never visible.
+        self.length[slots] = 0
+
+    def positions(self, slots: torch.Tensor, steps: int) -> torch.Tensor:
+        """Absolute positions [B, steps] of the next ``steps`` tokens of ``slots``."""
+        base = self.length[slots].view(-1, 1)
+        return base + torch.arange(steps, device=base.device).view(1, -1)
+
+    def advance(self, slots: torch.Tensor, steps: int) -> None:
+        self.length[slots] += steps
+
+    def attend(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        lo: torch.Tensor,
+    ) -> torch.Tensor:
+        """Store ``k, v`` [B, H, T, D] at ``positions`` [B, T] and attend with ``q``.
+
+        ``lo`` [B, T] is the lowest visible key position per query (see ``window_start``).
+        Does not advance ``length``: call ``advance`` once after the last layer.
+        """
+        B, H, T, D = k.shape
+        C = self.capacity
+        if T <= DECODE_MAX_TOKENS and T <= C and gpu_attention.available(q.device):
+            # Streaming step on a GPU (the LM's 1 token, Mimi's 2): write the keys, then
+            # read each slot's window in place instead of gathering it; each query is one
+            # row of the kernel.  Ring entries older than the call's first write still hold
+            # positions >= end - C only, so no query may reach below that.
+            self._store_newest(layer, slots, positions, k, v)
+            floor = positions[:, -1:] + 1 - C
+            lo = torch.maximum(lo.reshape(B, -1).expand(B, T), floor)
+            rows = slots.repeat_interleave(T)
+            k_scale, v_scale = (self.key_scales[layer], self.value_scales[layer]) if self.fp8 else (None, None)
+            out = gpu_attention.decode_attention_op(q.transpose(1, 2).reshape(B * T, H, D), self.keys[layer],
+                                                    self.values[layer], rows, positions.reshape(-1),
+                                                    lo.reshape(-1), k_scale, v_scale)
+            return out.view(B, T, H, D).transpose(1, 2)
+        if T <= C:
+            # Write first, then attend over the ring in ring order, as the reference does.
+            self._store_newest(layer, slots, positions, k, v)
+            keys, values = self._load(layer, slots)
+            key_pos = ring_positions(positions[:, -1] + 1, C)  # [B, C]
+        else:
+            old_keys, old_values = self._load(layer, slots)
+            keys = torch.cat([old_keys, k], dim=2)
+            values = torch.cat([old_values, v], dim=2)
+            key_pos = torch.cat([ring_positions(positions[:, 0], C), positions], dim=1)
+            self._store_newest(layer, slots, positions, k, v)
+        qp = positions.view(B, T, 1)
+        kp = key_pos.view(B, 1, -1)
+        mask = (kp >= 0) & (kp <= qp) & (kp >= lo.reshape(B, -1, 1))
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), mask.unsqueeze(1))
+
+    def _store_newest(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep the newest ``capacity`` of a call's keys/values [B, H, T, D] in the ring."""
+        B, T = positions.shape
+        keep = min(T, self.capacity)
+        ring_idx = torch.remainder(positions[:, T - keep:], self.capacity)
+        slot_idx = slots.view(-1, 1).expand(B, keep)
+        self._store(layer, slot_idx, ring_idx, k[:, :, T - keep:].transpose(1, 2), v[:, :, T - keep:].transpose(1, 2))
+
+    def _store(self, layer: int, slot_idx: torch.Tensor, ring_idx: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write rows ``k, v`` [..., H, D] at (``slot_idx``, ``ring_idx``) [...] of ``layer``."""
+        if not self.fp8:
+            self.keys[layer][slot_idx, :, ring_idx] = k
+            self.values[layer][slot_idx, :, ring_idx] = v
+            return
+        for data, scales, x in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
+            q, scale = self._quantize(x)
+            data[layer][slot_idx, :, ring_idx] = q
+            scales[layer][slot_idx, :, ring_idx] = scale
+
+    def _load(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole rings [B, H, C, D] of ``slots`` in the compute dtype."""
+        if not self.fp8:
+            return self.keys[layer][slots], self.values[layer][slots]
+        return (dequantize_fp8(self.keys[layer][slots], self.key_scales[layer][slots], self.dtype),
+                dequantize_fp8(self.values[layer][slots], self.value_scales[layer][slots], self.dtype))
+
+    def export(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values [layers, H, end-start, D] of positions ``start..end-1`` of one slot,
+        in the compute dtype."""
+        idx = torch.remainder(torch.arange(start, end, device=self.length.device), self.capacity)
+        keys, values = self.keys[:, slot][:, :, idx], self.values[:, slot][:, :, idx]
+        if not self.fp8:
+            return keys.clone(), values.clone()
+        return (dequantize_fp8(keys, self.key_scales[:, slot][:, :, idx], self.dtype),
+                dequantize_fp8(values, self.value_scales[:, slot][:, :, idx], self.dtype))
+
+    def install(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write exported positions ``start..`` into ``slot`` and set its length after them."""
+        n = keys.shape[2]
+        keep = min(n, self.capacity)
+        idx = torch.remainder(torch.arange(start + n - keep, start + n, device=self.length.device), self.capacity)
+        for data, scales, x in ((self.keys, self.key_scales, keys), (self.values, self.value_scales, values)):
+            x = x[:, :, n - keep:].to(device=data.device, dtype=self.dtype)
+            rows = data[:, slot]
+            if self.fp8:
+                q, scale = quantize_fp8(x)
+                rows[:, :, idx] = q
+                scales[:, slot][:, :, idx] = scale
+            else:
+                rows[:, :, idx] = x
+        self.length[slot] = start + n
