@@ -249,7 +249,7 @@ def test_slot_errors(tiny_checkpoint):
         engine.step([slot], np.zeros((1, 1920), np.float32))
 
 
-@pytest.mark.parametrize("failing", ["settings.set", "kv.install", "tokens.restore", "kv.reset", "mimi.reset"])
+@pytest.mark.parametrize("failing", ["sampling.set", "kv.install", "tokens.restore", "kv.reset", "mimi.reset"])
 def test_an_open_that_fails_after_taking_its_slot_gives_it_back(tiny_checkpoint, monkeypatch, speech_pcm, failing):
     """Each step of installing a session after its slot is taken, made to raise: the error
     reaches the caller, the slot is free again and serves the next session as a fresh one."""

@@ -21,7 +21,7 @@ from engines.config import LMConfig
 from engines.interface import EngineInfo, FrameOutput, SessionSpec, to_completion
 from engines.model.lm import MoshiLM
 from engines.runtime.profiling import StageClock
-from engines.state.session_slots import SessionSlots, SlotSettings
+from engines.state.session_slots import SessionSlots, SlotSampling
 from engines.state.token_state import TokenState
 from engines.checkpoints.tokenizer import TextTokenizer
 from engines.checkpoints.voices import VoiceStore
@@ -47,7 +47,7 @@ class EngineRuntime:
         total = num_slots + 1 if scratch else num_slots
         self.scratch = num_slots if scratch else None
         self.tokens = TokenState(cfg, total, device=device)
-        self.settings = SlotSettings(total, device)
+        self.sampling = SlotSampling(total, device)
         self.clock = StageClock()  # per-stage timing for benchmarks (GPU only)
 
     # What a backend provides ------------------------------------------------------------------
@@ -75,7 +75,7 @@ class EngineRuntime:
 
     def sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
         """``stream``'s tokens for ``slots`` from float32 ``logits`` with their settings."""
-        return self.settings.sample(slots, stream, logits, text)
+        return self.sampling.sample(slots, stream, logits, text)
 
     def encode_user(self, slots: torch.Tensor, pcm: torch.Tensor) -> torch.Tensor:
         return self.mimi.encode_step(slots, pcm)
@@ -111,7 +111,7 @@ class EngineRuntime:
             prefill = self.prepare(spec)
         slot = self.slots.reserve()
         try:
-            self.settings.set(slot, spec)
+            self.sampling.set(slot, spec)
             self._install(slot, prefill)
         except BaseException:
             try:
@@ -214,7 +214,7 @@ class EngineRuntime:
         text_in = torch.where(target_forced[:, 0], target[:, 0], text)
         steps = self.lm.depformer_steps
         audio = self.depformer_call(slots, hidden, text_in, target[:, 1 : 1 + steps], target_forced[:, 1 : 1 + steps])
-        self.settings.counter[slots] += 1
+        self.sampling.counter[slots] += 1
         out = self.tokens.end_call(slots, text, audio, live=live)
         self.clock.mark("depformer")
         return out
@@ -230,4 +230,4 @@ class EngineRuntime:
         self.release_context(slot)
         self.tokens.reset(idx)
         self.mimi.reset(idx)
-        self.settings.counter[slot] = 0
+        self.sampling.counter[slot] = 0

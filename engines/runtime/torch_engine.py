@@ -291,7 +291,7 @@ class PersonaPlexEngine(EngineRuntime):
         return self.mimi.decode_step_unchecked(slots, codes)
 
     def sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
-        st = self.settings
+        st = self.sampling
         if not self._static_sampling:
             return st.sample(slots, stream, logits, text)
         batch = st.batch(slots, text)
@@ -317,4 +317,4 @@ class PersonaPlexEngine(EngineRuntime):
             self.tokens.cache[slot] = voice.cache.to(self.device)
             for frame in prompt_frames(persona):
                 self.lm_call(idx, torch.tensor([frame.streams()], device=self.device), all_forced)
-        self.settings.counter[slot] = 0
+        self.sampling.counter[slot] = 0

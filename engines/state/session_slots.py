@@ -1,6 +1,6 @@
 """Per-slot state every backend keeps outside its model: which slots are open for which
 session (``SessionSlots``), and each slot's sampling settings and random stream
-(``SlotSettings``, tensors gathered per tick).
+(``SlotSampling``, tensors gathered per tick).
 
 ``SessionSlots`` is the engine interface's contract as plain bookkeeping (engines/interface.py):
 slots are handed out lowest first, a closed slot is reusable at once, a step names each open
@@ -71,7 +71,7 @@ class SessionSlots:
         return pcm
 
 
-class SlotSettings:
+class SlotSampling:
     """Per-slot sampling settings and RNG state as tensors (gathered per tick)."""
 
     def __init__(self, num_slots: int, device: torch.device) -> None:

@@ -131,7 +131,7 @@ class TrtllmEngine(EngineRuntime):
     def depformer_call(self, slots: torch.Tensor, hidden: torch.Tensor, text: torch.Tensor, forced: torch.Tensor,
                        forced_mask: torch.Tensor) -> torch.Tensor:
         if self.graph_depformer is not None:
-            return self.graph_depformer(slots, hidden, text, forced, forced_mask, self.settings)
+            return self.graph_depformer(slots, hidden, text, forced, forced_mask, self.sampling)
         return super().depformer_call(slots, hidden.to(self.lm.dtype), text, forced, forced_mask)
 
     def install_context(self, slot: int, prefill: StoredPrefill) -> None:

@@ -119,11 +119,11 @@ class GraphDepformer:
         self.graph, self.steps, self.card = graph, steps, card
 
     def __call__(self, idx: torch.Tensor, hidden: torch.Tensor, text: torch.Tensor, forced: torch.Tensor,
-                 forced_mask: torch.Tensor, settings) -> torch.Tensor:
+                 forced_mask: torch.Tensor, sampling) -> torch.Tensor:
         from engines.export.onnx.depformer_graph import depformer_noise
 
-        noise = depformer_noise(settings.seed[idx], settings.counter[idx], self.steps, self.card)
-        audio = settings.batch(idx, text=False)  # float32 / int64 / bool rows, as the graph takes them
+        noise = depformer_noise(sampling.seed[idx], sampling.counter[idx], self.steps, self.card)
+        audio = sampling.batch(idx, text=False)  # float32 / int64 / bool rows, as the graph takes them
         out = self.graph.run({
             "hidden": hidden.float(), "text_token": text.long(), "forced": forced.long(),
             "forced_mask": forced_mask.bool(), "temperature": audio.temperature,
