@@ -154,6 +154,25 @@ def test_a_split_pass_that_may_wait_waits_for_the_piece_cache(engine):
         to_completion(prefill_pieces(engine.lm, voice, plan, window, capacity, 16, graphs, wait=True))
 
 
+def test_a_join_that_waited_for_the_same_prompt_takes_its_cached_prefill(tiny_checkpoint):
+    """Two joins of one voice and persona at once (a burst, a load test): the second waits
+    for the piece cache while the first computes, then takes the first's cached prefill
+    instead of computing it again."""
+    engine = make_engine(tiny_checkpoint, slots=2, prefill_chunk=16)
+    engine.prefill_graphs = graphs = OnePieceCache(engine.lm, engine.cfg.context, 16, held=False)
+    spec = SessionSpec(voice="NATM1.pt", persona="You like long walks. " * 10, sampling=GREEDY)
+    first, second = engine.prepare_in_pieces(spec), engine.prepare_in_pieces(spec)
+    for _ in range(3):  # tokenizing and planning a long persona are pieces of their own
+        if graphs.held:
+            break
+        assert next(first) is None
+    assert graphs.held  # the first holds the piece cache
+    assert WAITING in [next(second) for _ in range(3)]
+    done = to_completion(first)
+    assert graphs.claims == 1 and not graphs.held
+    assert to_completion(second) is done and graphs.claims == 1  # taken from the cache, not computed
+
+
 def test_batch_equals_sessions_run_alone(tiny_checkpoint, engine, speech_pcm):
     close_all(engine)
     specs = [

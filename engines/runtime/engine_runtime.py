@@ -4,7 +4,7 @@ Mimi, and one implementation of the tick's call sequence (spec/model.md 3.2).
 A tick for slots [B]: Mimi-encode each slot's 80 ms of user audio -> teacher-force the user
 codes into each slot's token ring -> embed the input position's 17 streams -> the temporal
 transformer -> sample text -> the depformer (8 agent codebooks by default) -> Mimi-decode the
-de-delayed agent frame.  A backend (``engine.PersonaPlexEngine``, ``trtllm.TrtllmEngine``)
+de-delayed agent frame.  A backend (``torch_engine.PersonaPlexEngine``, ``trtllm.engine.TrtllmEngine``)
 supplies what differs: where the temporal transformer runs and holds each slot's context
 (``temporal_call``, ``install_context``, ``release_context``), how a session's system prompt
 is prepared (``prepare_in_pieces``), and optionally a faster tick or depformer.
@@ -155,8 +155,9 @@ class EngineRuntime:
     def live_tick(self, slots: torch.Tensor, pcm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode -> LM -> depformer -> decode for live ``slots`` [B] with ``pcm`` [B, 1920].
 
-        Device tensors in and out (agent pcm [B, 1920], text ids [B]); no validation and no
-        host synchronisation, so it can be captured in a CUDA graph.
+        Device tensors in and out (agent pcm [B, 1920], text ids [B]); no validation, and no
+        host synchronisation of its own (the PyTorch backend captures it in a CUDA graph; the
+        TensorRT-LLM engine call is not capturable and samples with data-dependent shapes).
         """
         user_codes = self.encode_user(slots, pcm)
         self.clock.mark("mimi_encode")

@@ -26,7 +26,7 @@ from engines.checkpoints.loader import (
 )
 from engines.fastpath.compiled import compile_dynamic
 from engines.config import KV_CACHE_MODES, SINE_TOKENS, TEXT_PAD_ID, WEIGHT_MODES
-from engines.interface import EngineInfo, Pieces, SessionSpec, to_completion
+from engines.interface import WAITING, EngineInfo, Pieces, SessionSpec, to_completion
 from engines.model.lm import MoshiLM
 from engines.model.mimi import MimiCodec
 from engines.model.fp8_weights import fp8_state_entries, quantize_lm_tensors
@@ -208,8 +208,10 @@ class PersonaPlexEngine(EngineRuntime):
     def prepare_in_pieces(self, spec: SessionSpec) -> Pieces[Prefill]:
         """The prefill of ``spec`` from the cache, or computed ``options.prefill_chunk``
         prompt positions per piece (the first piece also validates, tokenizes and plans; for a
-        persona longer than a chunk those are pieces of their own: both grow with its length).  On CUDA a long prompt waits (``WAITING``) while
-        another one holds the piece graph, rather than taking a cache of its own."""
+        persona longer than a chunk those are pieces of their own: both grow with its length).
+        On CUDA a long prompt waits (``WAITING``) while another one holds the piece graph,
+        rather than taking a cache of its own; if that one was the same prompt, its cached
+        result is taken instead of computing it again."""
         return self._prefill(spec, wait=True)
 
     def _prefill(self, spec: SessionSpec, wait: bool) -> Pieces[Prefill]:
@@ -225,8 +227,20 @@ class PersonaPlexEngine(EngineRuntime):
             plan = plan_prompt(self.cfg, voice, persona)
             if long_persona:
                 yield
-            prefill = yield from prefill_pieces(self.lm, voice, plan, self.options.window, self.kv.capacity,
-                                                self.options.prefill_chunk, self.prefill_graphs, wait)
+            pieces = prefill_pieces(self.lm, voice, plan, self.options.window, self.kv.capacity,
+                                    self.options.prefill_chunk, self.prefill_graphs, wait)
+            while True:
+                try:
+                    signal = next(pieces)
+                except StopIteration as done:
+                    prefill = done.value
+                    break
+                yield signal
+                if signal is WAITING:  # the holder may have been this very prompt (a burst of joins alike)
+                    cached = self.prefills.get(key)
+                    if cached is not None:
+                        pieces.close()
+                        return cached
             self.prefills.put(key, prefill)
             log.info("prefill for voice %s and a %d-token persona: %d positions",
                      spec.voice, len(persona), prefill.positions)

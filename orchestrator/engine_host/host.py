@@ -38,6 +38,7 @@ POLL_S = 0.05
 QUICK_DEATH_S = 30.0
 MAX_BACKOFF_S = 30.0
 STOP_GRACE_S = 10.0
+LOCK_TRIES = 20  # x 10 ms before the lock counts as another host's
 
 
 class _Engine:
@@ -74,11 +75,17 @@ class _Engine:
 
 def run_host(run_dir: Path, watch_pid: int) -> int:
     lock = open(lock_path(run_dir), "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        log.info("engine host: another host already serves %s", run_dir)
-        return 0
+    # The worker that started this host looks at the lock by taking it for an instant
+    # (launch._host_running): only a lock still held after a few tries is another host's.
+    for attempt in range(LOCK_TRIES):
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if attempt == LOCK_TRIES - 1:
+                log.info("engine host: another host already serves %s", run_dir)
+                return 0
+            time.sleep(0.01)
     from ..settings import Settings, SettingsError, device_labels
 
     try:

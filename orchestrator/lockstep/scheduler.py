@@ -334,7 +334,8 @@ class TickScheduler:
                     self._waits_in_row = 0
             finally:
                 self.busy = None
-                self._metrics.observe_engine_job(label, self._clock() - start)
+                if job is None or not job.waited:  # a piece that waited did no engine work
+                    self._metrics.observe_engine_job(label, self._clock() - start)
         for key in list(self._lanes):
             self._close(engine, key, concurrent.futures.Future())
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engines.config import LMConfig, MimiConfig, WindowMode
@@ -69,6 +71,7 @@ class TrtllmEngine(EngineRuntime):
         self.graph_depformer = graph_depformer
         self.stored = stored  # (voice, persona tokens) -> StoredPrefill, from the converter
         self.prefills = PrefillCache()
+        self._tick_slots: list[int] | None = None  # run_tick's slots, while it runs
         self.info = EngineInfo(model=meta.model_name, backend="trtllm", device=str(device), max_slots=num_slots)
 
     # Construction -------------------------------------------------------------------------------
@@ -124,8 +127,18 @@ class TrtllmEngine(EngineRuntime):
     def capture_graphs(self) -> None:
         """Nothing to do: trtllm-build compiled the engine, and its runtime captures its own."""
 
+    def run_tick(self, slots: Sequence[int], pcm: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        # The runner maps slots to sequences on the host: keep this tick's list rather than
+        # read it back from the device mid-tick (a synchronisation).
+        self._tick_slots = list(slots)
+        try:
+            return super().run_tick(slots, pcm)
+        finally:
+            self._tick_slots = None
+
     def temporal_call(self, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        text_logits, hidden = self.temporal.step(slots.tolist(), x[:, 0])
+        host_slots = self._tick_slots if self._tick_slots is not None else slots.tolist()
+        text_logits, hidden = self.temporal.step(host_slots, x[:, 0])
         return hidden, text_logits.float()
 
     def depformer_call(self, slots: torch.Tensor, hidden: torch.Tensor, text: torch.Tensor, forced: torch.Tensor,
