@@ -356,16 +356,12 @@ class Settings:
         if self.checkpoint is None:
             return 0
         random_model = random_model_name(self.checkpoint)
-        if random_model is not None:
-            on_disk = RANDOM_MODEL_BYTES[random_model]
-        else:
-            on_disk = _dir_bytes(Path(self.checkpoint))
-            if self.weights == "auto" or is_fp8_checkpoint(Path(self.checkpoint)):
-                return on_disk
-        if self.weights != "fp8":
+        path = None if random_model is not None else Path(self.checkpoint)
+        on_disk = RANDOM_MODEL_BYTES[random_model] if path is None else _dir_bytes(path)
+        if self.weights != "fp8" or (path is not None and is_fp8_checkpoint(path)):
             return on_disk
+        lm_bytes = on_disk if path is None else _lm_file_bytes(path)
         total, quantized = LMConfig().parameter_counts()
-        lm_bytes = on_disk if random_model is not None else _lm_file_bytes(Path(self.checkpoint))
         return on_disk - int(lm_bytes * quantized / total / 2)
 
 

@@ -28,7 +28,7 @@ from engines.config import (CONFIG_FILE, LM_FILE, MIMI_FILE, TOKENIZER_FILE, VOI
                      LMConfig, MimiConfig)
 from engines.errors import CheckpointError
 from engines.model.fp8_weights import fp8_dtype_of
-from engines.checkpoints.weights_format import FORMAT_KEY, FP8_FORMAT, STEPS_KEY
+from engines.checkpoints.weights_format import STEPS_KEY, holds_fp8
 
 log = logging.getLogger(__name__)
 
@@ -141,15 +141,23 @@ class SafetensorsReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._file.get_slice(key).get_shape())
 
-    def get(self, key: str, shape: Iterable[int] | None = None) -> torch.Tensor:
+    def dtype(self, key: str) -> torch.dtype:
+        """From the header: an empty slice of the tensor, no data read."""
+        return self._file.get_slice(key)[:0].dtype
+
+    def check(self, key: str, shape: Iterable[int] | None = None) -> tuple[int, ...]:
+        """``key``'s shape from the header, or ``CheckpointError`` naming it when it is missing
+        or not ``shape``: before a tensor's bytes are read."""
         if key not in self.keys:
             raise CheckpointError(f"{self.path}: missing tensor {key!r}")
-        t = self._file.get_tensor(key)
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{self.path}: tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}"
-            )
-        return t
+        have = self.shape(key)
+        if shape is not None and have != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor {key!r} has shape {have}, expected {tuple(shape)}")
+        return have
+
+    def get(self, key: str, shape: Iterable[int] | None = None) -> torch.Tensor:
+        self.check(key, shape)
+        return self._file.get_tensor(key)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: self._file.get_tensor(k) for k in sorted(self.keys)}
@@ -280,7 +288,7 @@ _PER_STEP = re.compile(r"^(depformer_in|linears|depformer_emb)(_scale)?$"
 
 
 def is_fp8_copy(reader: SafetensorsReader) -> bool:
-    return reader.metadata.get(FORMAT_KEY) == FP8_FORMAT
+    return holds_fp8(reader.metadata)
 
 
 def iter_fp8_copy_tensors(

@@ -39,10 +39,15 @@ def safetensors_metadata(path: Path) -> dict[str, str]:
     return metadata if isinstance(metadata, dict) else {}
 
 
+def holds_fp8(metadata: dict[str, str]) -> bool:
+    """Whether an LM file with this ``__metadata__`` is an fp8 copy."""
+    return metadata.get(FORMAT_KEY) == FP8_FORMAT
+
+
 def is_fp8_checkpoint(directory: Path) -> bool:
     """Whether ``directory``'s LM file is an fp8 copy (False when it cannot be read: the
     engine then says what is wrong with it)."""
     try:
-        return safetensors_metadata(Path(directory) / LM_FILE).get(FORMAT_KEY) == FP8_FORMAT
+        return holds_fp8(safetensors_metadata(Path(directory) / LM_FILE))
     except (OSError, ValueError):
         return False

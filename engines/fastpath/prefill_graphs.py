@@ -14,7 +14,8 @@ aside), and only those are returned.  The buckets stop at the chunk length.  A l
 runs in pieces of the chunk length (``engines.model.prefill.prompt_pass``); its ``PromptKV`` keeps
 the next position on the device and every piece has the same shapes, so one graph over one
 cache replays them all.  That cache serves one pass at a time: ``claim_pieces`` says None
-while another pass holds it, and that pass runs its pieces eagerly.
+while another pass holds it, and the other pass waits for it (the server's) or runs its
+pieces eagerly (``prompt_pass``'s ``wait``).
 """
 
 from __future__ import annotations

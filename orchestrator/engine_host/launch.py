@@ -70,26 +70,29 @@ def ensure_host(settings: Any, run_dir: Path, watch_pid: int) -> tuple[dict[str,
     return _wait_layout(run_dir), started
 
 
-def _reported_error(run_dir: Path) -> str | None:
-    """The error a failed host wrote into its layout, if it wrote one."""
+def _read_layout(run_dir: Path) -> dict[str, Any] | None:
+    """The host's ``layout.json``, or None while there is none (it is written atomically)."""
     try:
-        return json.loads(layout_path(run_dir).read_text()).get("error")
+        return json.loads(layout_path(run_dir).read_text())
     except (FileNotFoundError, ValueError):
         return None
 
 
+def _reported_error(run_dir: Path) -> str | None:
+    """The error a failed host wrote into its layout, if it wrote one."""
+    return (_read_layout(run_dir) or {}).get("error")
+
+
 def _wait_layout(run_dir: Path) -> dict[str, Any]:
     deadline = time.monotonic() + LAYOUT_TIMEOUT_S
-    path = layout_path(run_dir)
     while time.monotonic() < deadline:
         running = _host_running(run_dir)
         # Read after looking at the lock: a host that fails writes its error and then exits,
         # so a layout missing *after* the host was seen gone means it wrote none.
-        try:
-            layout = json.loads(path.read_text())
-        except (FileNotFoundError, ValueError):
+        layout = _read_layout(run_dir)
+        if layout is None:
             if not running:
-                raise HostStartError(f"the engine host of {run_dir} is not running") from None
+                raise HostStartError(f"the engine host of {run_dir} is not running")
             time.sleep(0.02)
             continue
         if layout.get("error"):

@@ -45,12 +45,7 @@ class _ShapesOnly:
         return self._reader.shape(key)
 
     def get(self, key: str, shape=None) -> torch.Tensor:
-        if not self.has(key):
-            raise CheckpointError(f"{self.path}: missing tensor {key!r}")
-        have = self.shape(key)
-        if shape is not None and have != tuple(shape):
-            raise CheckpointError(f"{self.path}: tensor {key!r} has shape {have}, expected {tuple(shape)}")
-        return torch.empty(have, dtype=self._dtype, device="meta")
+        return torch.empty(self._reader.check(key, shape), dtype=self._dtype, device="meta")
 
 
 def _specs(reader: ckpt.SafetensorsReader, cfg, steps: int, dtype: torch.dtype) -> list[TensorSpec]:
@@ -91,7 +86,7 @@ def write_fp8_copy(model_dir: Path, output_dir: Path, steps: int = 8, force: boo
         raise CheckpointError(f"--output-dir {output_dir} exists and is not an empty directory; pass --force "
                               "to overwrite it")
     cfg = files.lm_config
-    dtype = reader.get("text_emb.weight").dtype  # the checkpoint's: the unquantized tensors keep it
+    dtype = reader.dtype("text_emb.weight")  # the checkpoint's: the unquantized tensors keep it
     lm_file = output_dir / files.lm_weights.relative_to(files.root)
     specs = _specs(reader, cfg, steps, dtype)
     log.info("writing %s: %d tensors, %.2f GB (the source LM file: %.2f GB)", lm_file, len(specs),
