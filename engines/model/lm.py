@@ -172,6 +172,15 @@ class MoshiLM(nn.Module):
     def device(self) -> torch.device:
         return self.text_emb.device
 
+    def weight_bytes(self) -> int:
+        """Bytes the weights take on their device (fp8 ones with their scales)."""
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+
+    def describe_weights(self) -> str:
+        """One line for logs: size and format, e.g. "8.22 GB, fp8 e4m3 (scaled_mm products)"."""
+        kind = f"fp8 e4m3 ({self.fp8_matmul} products)" if self.fp8_matmul else str(self.dtype).replace("torch.", "")
+        return f"{self.weight_bytes() / 1e9:.2f} GB, {kind}"
+
     # Temporal transformer ---------------------------------------------------------------
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Summed input embedding [B, T, D] of ``tokens`` [B, T, 17]."""

@@ -123,6 +123,7 @@ class PersonaPlexEngine(EngineRuntime):
         # The scratch slot (the last): tick graphs pad with it, voices are built in it.
         super().__init__(cfg, lm, mimi, tokenizer, voices, num_slots, lm.device, options.window, scratch=True)
         self.options = options
+        log.info("LM weights on %s: %s", self.device, lm.describe_weights())
         self.kv = SlotKVRing(cfg.num_layers, num_slots + 1, cfg.num_heads, cfg.context, cfg.head_dim,
                              device=self.device, dtype=lm.dtype, fp8=options.kv_cache == "fp8")
         self.prefills = PrefillCache(options.prefill_cache_entries, options.prefill_cache_bytes)

@@ -322,9 +322,9 @@ def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Pat
     engine = build_random_engine(slots, "cuda", tokenizer, steps=args.depformer_steps,
                                  cuda_graphs=not args.no_cuda_graphs, kv_cache=config.kv_cache,
                                  compile=config.compile, weights=config.weights, fp8_matmul=config.fp8_matmul)
-    weights_gb = sum(t.numel() * t.element_size() for t in engine.lm.state_dict().values()) / 1e9
-    log.info("%s: built a 7B-shaped engine with %d slots in %.1f s (LM weights %.1f GB, fp8 product %s)", config.name,
-             slots, time.perf_counter() - t0, weights_gb, engine.lm.fp8_matmul)
+    weights_gb = engine.lm.weight_bytes() / 1e9
+    log.info("%s: built a 7B-shaped engine with %d slots in %.1f s (LM weights %s)", config.name,
+             slots, time.perf_counter() - t0, engine.lm.describe_weights())
     voice = typical_voice(engine.cfg)
     persona = list(range(100, 200))  # a 100-token persona
     out = {"slots": slots, "lm_weights_gb": round(weights_gb, 2), "fp8_matmul": engine.lm.fp8_matmul,

@@ -1,0 +1,91 @@
+"""The few-row fp8 weight product (``engines.fastpath.fp8_gemv``) against the dequantized
+product: on CPU through Triton's interpreter, on a GPU directly and inside a compiled piece.
+
+The interpreter gets bf16 matrix products wrong (it returns garbage for bf16 ``tl.dot``
+operands; fp16 is exact), so the CPU check runs fp16 activations; the GPU check runs the
+engine's bf16.  Runs in a subprocess because the interpreter is chosen when Triton is
+imported.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    from engines.fastpath import fp8_gemv
+    from engines.model.fp8_weights import quantize_weight
+    from engines.model.layers import linear
+
+    torch.manual_seed(0)
+    worst = 0.0
+    # Rows 1..16 (one tile), channels and K that do not fill a block, and a weight that is one
+    # step of a depformer-style stack (a view with an offset).
+    stack = quantize_weight(torch.randn(3, 40, 300))
+    cases = [(1, 40, 300, None), (3, 16, 256, None), (16, 33, 70, None), (5, 64, 513, None), (2, 40, 300, 1)]
+    for M, N, K, step in cases:
+        q = quantize_weight(torch.randn(N, K)) if step is None else None
+        data, scale = (q.data, q.scale) if q is not None else (stack.data[step], stack.scale[step])
+        x = torch.randn(M, 1, K).to(torch.float16)
+        assert fp8_gemv.available(x)
+        y = fp8_gemv.fp8_gemv(x, data, scale)
+        assert y.shape == (M, 1, N) and y.dtype == torch.float16
+        want = x.float() @ (data.float() * scale[:, None]).t()
+        worst = max(worst, ((y.float() - want).abs().max() / want.abs().max()).item())
+        # layers.linear takes this path for both products at <= 16 rows ...
+        for matmul in ("scaled_mm", "w8a16"):
+            assert torch.equal(linear(x, data, scale, matmul), y)
+    # ... and not above it.
+    assert not fp8_gemv.available(torch.zeros(17, 1, 8, dtype=torch.float16))
+    assert not fp8_gemv.available(torch.zeros(1, 8, dtype=torch.float32))
+    print(worst)
+""")
+
+
+def test_few_row_fp8_product_matches_the_dequantized_product_in_the_interpreter():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    worst = float(done.stdout.strip().splitlines()[-1])
+    assert worst < 2e-3, worst  # fp16 rounding of the result
+
+
+def test_without_a_gpu_or_the_interpreter_the_product_is_not_taken():
+    from engines.fastpath import fp8_gemv
+
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        pytest.skip("only meaningful on a plain CPU process")
+    assert not fp8_gemv.available(torch.zeros(1, 1, 16, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_few_row_fp8_product_on_the_gpu_at_7b_shapes_and_compiled():
+    from engines.fastpath import fp8_gemv
+    from engines.fastpath.compiled import compile_dynamic
+    from engines.model.fp8_weights import quantize_weight
+    from engines.model.layers import linear
+
+    torch.manual_seed(0)
+    for N, K in ((12288, 4096), (4096, 11264), (3072, 1024)):
+        q = quantize_weight(torch.randn(N, K, device="cuda"))
+        deq = (q.data.float() * q.scale[:, None]).to(torch.bfloat16)
+        for M in (1, 8, 16):
+            x = torch.randn(M, 1, K, device="cuda").to(torch.bfloat16)
+            y = fp8_gemv.fp8_gemv(x, q.data, q.scale)
+            want = torch.nn.functional.linear(x, deq).float()
+            rel = float((y.float() - want).norm() / want.norm())
+            assert rel < 1e-2, (N, K, M, rel)
+    compiled = compile_dynamic(lambda x, w, s: linear(x, w, s, "scaled_mm") * 2)
+    x = torch.randn(4, 1, 1024, device="cuda").to(torch.bfloat16)
+    assert torch.equal(compiled(x, q.data, q.scale), fp8_gemv.fp8_gemv(x, q.data, q.scale) * 2)
