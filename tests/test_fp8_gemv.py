@@ -10,13 +10,12 @@ imported.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.triton_interpreter import worst_error_in_interpreter
 
 pytest.importorskip("triton")
 
@@ -52,12 +51,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_few_row_fp8_product_matches_the_dequantized_product_in_the_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    worst = float(done.stdout.strip().splitlines()[-1])
+    worst = worst_error_in_interpreter(SCRIPT)
     assert worst < 2e-3, worst  # fp16 rounding of the result
 
 

@@ -10,13 +10,11 @@ Triton is imported.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+
+from tests.triton_interpreter import worst_error_in_interpreter
 
 pytest.importorskip("triton")
 
@@ -51,10 +49,5 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_kernel_path_matches_gather_path_for_short_streaming_calls():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    worst = float(done.stdout.strip().splitlines()[-1])
+    worst = worst_error_in_interpreter(SCRIPT)
     assert worst < 1e-5, worst
