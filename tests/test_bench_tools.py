@@ -54,3 +54,17 @@ def test_the_opus_worker_bench_decodes_every_page_and_reports(tmp_path, capsys):
     assert "decode_latency_ms" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         opus_worker_bench.main(["--sessions", "0"])
+
+
+def test_the_fp8_product_benchmark_says_it_needs_a_gpu(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU: the benchmark would run")
+    done = subprocess.run([sys.executable, "-m", "engines.tools.bench_fp8_gemm", "--output", str(tmp_path / "x.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and done.stderr.strip().splitlines()[-1] == "bench_fp8_gemm: needs a CUDA GPU"
+    assert not (tmp_path / "x.json").exists()
