@@ -39,6 +39,8 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 CPU_DEFAULT_MAX_SESSIONS = 8
 # Upper bound of the derived default; the engine allocates one KV window per slot up front.
 DERIVED_MAX_SESSIONS_CAP = 128
+# What a repo id not in the local cache yet counts as when admission is sized.
+UNDOWNLOADED_MODEL = "personaplex-7b"
 # A session's device memory: its full temporal KV window at the 7B shapes (1.46 GiB in bf16;
 # fp8 halves it and adds 4 bytes of scale per 128) and ~9 % more for the rest of its state
 # (token ring, Mimi's streaming state, sampling settings) and allocator slack: 1.6 / 0.82 GiB.
@@ -352,12 +354,18 @@ class Settings:
     def _checkpoint_bytes(self) -> int:
         """Device memory the weights take: the checkpoint's size on disk, less what fp8
         weights quantized at load save (a byte per fp8 parameter; the share of them as in the
-        7B model, whose shapes every Moshi-family checkpoint shares in proportion)."""
+        7B model, whose shapes every Moshi-family checkpoint shares in proportion).  A repo
+        id counts as its snapshot in the local Hugging Face cache; one not downloaded yet (it
+        is fetched after admission is sized) as PersonaPlex-7B, the family's released size,
+        rather than as nothing, which would admit ~20 sessions too many on an H200."""
         if self.checkpoint is None:
             return 0
         random_model = random_model_name(self.checkpoint)
-        path = None if random_model is not None else Path(self.checkpoint)
-        on_disk = RANDOM_MODEL_BYTES[random_model] if path is None else _dir_bytes(path)
+        path = None if random_model is not None else _local_checkpoint(self.checkpoint)
+        if path is not None:
+            on_disk = _dir_bytes(path)
+        else:
+            on_disk = RANDOM_MODEL_BYTES[random_model or UNDOWNLOADED_MODEL]
         if self.weights != "fp8" or (path is not None and is_fp8_checkpoint(path)):
             return on_disk
         lm_bytes = on_disk if path is None else _lm_file_bytes(path)
@@ -439,6 +447,21 @@ def _coerce(name: str, type_name: Any, raw: Any) -> Any:
         kind = type_name.split(" ")[0].split("[")[0]
         raise SettingsError(f"{where} must be {kind}, got {raw!r}") from None
     raise SettingsError(f"{where}: unsupported setting type {type_name}")  # pragma: no cover
+
+
+def _local_checkpoint(checkpoint: str) -> Path | None:
+    """The directory ``checkpoint`` names, or for a repo id its snapshot in the local Hugging
+    Face cache (None when not downloaded; nothing is fetched here)."""
+    path = Path(checkpoint).expanduser()
+    if path.is_dir():
+        return path
+    ref = parse_repo_ref(checkpoint)
+    if ref is None:
+        return None  # the engine reports what is wrong with it
+    import huggingface_hub
+
+    cached = huggingface_hub.try_to_load_from_cache(ref.repo_id, LM_FILE, revision=ref.revision)
+    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def _dir_bytes(path: Path) -> int:

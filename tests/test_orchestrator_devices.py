@@ -295,6 +295,27 @@ def test_random_7b_admission_is_the_real_checkpoints(monkeypatch: pytest.MonkeyP
     assert Settings(checkpoint="random:personaplex-7b", max_sessions=3).resolved_max_sessions("cuda:0") == 3
 
 
+def test_a_repo_id_is_admitted_by_its_weights_downloaded_or_not(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """A repo id counts as its snapshot in the local Hugging Face cache, or, not downloaded
+    yet (admission is sized before the download), as the 7B model: never as 0 bytes."""
+    import huggingface_hub.constants
+    import torch
+
+    from tests.hub_support import write_hub_cache
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=150_000_000_000))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    seven_b = Settings(checkpoint="random:personaplex-7b").resolved_max_sessions("cuda:0")
+    assert Settings(checkpoint="someone/not-downloaded").resolved_max_sessions("cuda:0") == seven_b
+    assert Settings(checkpoint="someone/not-downloaded")._checkpoint_bytes() == RANDOM_MODEL_BYTES["personaplex-7b"]
+    lm = tmp_path / "model.safetensors"
+    lm.write_bytes(b"x" * 1000)
+    write_hub_cache(tmp_path / "hub", "someone/small", {"model.safetensors": lm})
+    assert Settings(checkpoint="someone/small")._checkpoint_bytes() == 1000
+    assert Settings(checkpoint="someone/small").resolved_max_sessions("cuda:0") > seven_b
+
+
 def test_random_model_bytes_are_the_7b_parameter_bytes():
     """The constant the settings use (they import no torch) is the 7B's weights: the LM in bf16
     with all 16 depformer steps (as in model.safetensors) and Mimi in float32."""
