@@ -92,6 +92,7 @@ class SlotKVRing:
         self.value_scales = torch.ones(scale_shape, device=device, dtype=torch.float32)
         self.length = torch.zeros(num_slots, device=device, dtype=torch.long)
         self._quantize = quantize_fp8
+        self._plan: _CallPlan | None = None
 
     def compile_quantizer(self) -> None:
         """Fuse the fp8 write path (amax, scale, cast) into one kernel (GPU fast path)."""
@@ -126,48 +127,47 @@ class SlotKVRing:
         """Store ``k, v`` [B, H, T, D] at ``positions`` [B, T] and attend with ``q``.
 
         ``lo`` [B, T] is the lowest visible key position per query (see ``window_start``).
-        Does not advance ``length``: call ``advance`` once after the last layer.
+        Does not advance ``length``: call ``advance`` once after the last layer.  Every layer
+        of one call passes the same ``slots``, ``positions`` and ``lo``: what depends on them
+        only is computed at the first layer (``_call_plan``).
         """
         B, H, T, D = k.shape
-        C = self.capacity
-        if T <= DECODE_MAX_TOKENS and T <= C and gpu_attention.available(q.device):
+        plan = self._call_plan(slots, positions, lo, q.device)
+        keep = plan.ring_idx.shape[1]
+        if plan.rows is not None:
             # Streaming step on a GPU (the LM's 1 token, Mimi's 2): write the keys, then
             # read each slot's window in place instead of gathering it; each query is one
-            # row of the kernel.  Ring entries older than the call's first write still hold
-            # positions >= end - C only, so no query may reach below that.
-            self._store_newest(layer, slots, positions, k, v)
-            floor = positions[:, -1:] + 1 - C
-            lo = torch.maximum(lo.reshape(B, -1).expand(B, T), floor)
-            rows = slots.repeat_interleave(T)
+            # row of the kernel.
+            self._store(layer, plan.slot_idx, plan.ring_idx, k.transpose(1, 2), v.transpose(1, 2))
             k_scale, v_scale = (self.key_scales[layer], self.value_scales[layer]) if self.fp8 else (None, None)
             out = gpu_attention.decode_attention_op(q.transpose(1, 2).reshape(B * T, H, D), self.keys[layer],
-                                                    self.values[layer], rows, positions.reshape(-1),
-                                                    lo.reshape(-1), k_scale, v_scale)
+                                                    self.values[layer], plan.rows, plan.query_positions,
+                                                    plan.query_lo, k_scale, v_scale)
             return out.view(B, T, H, D).transpose(1, 2)
-        if T <= C:
+        if T <= self.capacity:
             # Write first, then attend over the ring in ring order, as the reference does.
-            self._store_newest(layer, slots, positions, k, v)
+            self._store(layer, plan.slot_idx, plan.ring_idx, k.transpose(1, 2), v.transpose(1, 2))
             keys, values = self._load(layer, slots)
-            key_pos = ring_positions(positions[:, -1] + 1, C)  # [B, C]
         else:
             old_keys, old_values = self._load(layer, slots)
             keys = torch.cat([old_keys, k], dim=2)
             values = torch.cat([old_values, v], dim=2)
-            key_pos = torch.cat([ring_positions(positions[:, 0], C), positions], dim=1)
-            self._store_newest(layer, slots, positions, k, v)
-        qp = positions.view(B, T, 1)
-        kp = key_pos.view(B, 1, -1)
-        mask = (kp >= 0) & (kp <= qp) & (kp >= lo.reshape(B, -1, 1))
-        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), mask.unsqueeze(1))
+            # Keep the newest ``capacity`` of the call's keys in the ring.
+            self._store(layer, plan.slot_idx, plan.ring_idx, k[:, :, T - keep:].transpose(1, 2),
+                        v[:, :, T - keep:].transpose(1, 2))
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), plan.mask)
 
-    def _store_newest(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
-                      k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keep the newest ``capacity`` of a call's keys/values [B, H, T, D] in the ring."""
-        B, T = positions.shape
-        keep = min(T, self.capacity)
-        ring_idx = torch.remainder(positions[:, T - keep:], self.capacity)
-        slot_idx = slots.view(-1, 1).expand(B, keep)
-        self._store(layer, slot_idx, ring_idx, k[:, :, T - keep:].transpose(1, 2), v[:, :, T - keep:].transpose(1, 2))
+    def _call_plan(self, slots: torch.Tensor, positions: torch.Tensor, lo: torch.Tensor,
+                   device: torch.device) -> "_CallPlan":
+        """The ring indices, visibility mask or kernel rows of one call, shared by its layers.
+        Recognised by the identity of the call's tensors (each call makes new ``positions``);
+        per layer they cost ~4 small kernels, x 32 layers in every tick."""
+        plan = self._plan
+        if plan is not None and plan.slots is slots and plan.positions is positions and plan.lo is lo:
+            return plan
+        decode = positions.shape[1] <= DECODE_MAX_TOKENS and gpu_attention.available(device)
+        self._plan = plan = _CallPlan(slots, positions, lo, self.capacity, decode)
+        return plan
 
     def _store(self, layer: int, slot_idx: torch.Tensor, ring_idx: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> None:
@@ -213,3 +213,34 @@ class SlotKVRing:
             else:
                 rows[:, :, idx] = x
         self.length[slot] = start + n
+
+
+class _CallPlan:
+    """What one ``SlotKVRing.attend`` call's layers share: where the call's newest
+    ``capacity`` keys go, and either the GPU kernel's per-query rows (``decode``) or the
+    visibility mask of the gather path."""
+
+    def __init__(self, slots: torch.Tensor, positions: torch.Tensor, lo: torch.Tensor, capacity: int,
+                 decode: bool) -> None:
+        self.slots, self.positions, self.lo = slots, positions, lo  # held: the identity check
+        B, T = positions.shape
+        C = capacity
+        keep = min(T, C)
+        self.ring_idx = torch.remainder(positions[:, T - keep:], C)
+        self.slot_idx = slots.view(-1, 1).expand(B, keep)
+        self.rows = self.query_positions = self.query_lo = self.mask = None
+        if decode and T <= C:
+            # Ring entries older than the call's first write still hold positions >= end - C
+            # only, so no query may reach below that.
+            floor = positions[:, -1:] + 1 - C
+            self.query_lo = torch.maximum(lo.reshape(B, -1).expand(B, T), floor).reshape(-1)
+            self.rows = slots.repeat_interleave(T)
+            self.query_positions = positions.reshape(-1)
+            return
+        if T <= C:
+            key_pos = ring_positions(positions[:, -1] + 1, C)  # [B, C]: the ring after the write
+        else:
+            key_pos = torch.cat([ring_positions(positions[:, 0], C), positions], dim=1)
+        kp = key_pos.view(B, 1, -1)
+        mask = (kp >= 0) & (kp <= positions.view(B, T, 1)) & (kp >= lo.reshape(B, -1, 1))
+        self.mask = mask.unsqueeze(1)
