@@ -3,7 +3,8 @@ product: on CPU through Triton's interpreter, on a GPU directly and inside a com
 
 The interpreter gets bf16 matrix products wrong (it returns garbage for bf16 ``tl.dot``
 operands; fp16 is exact), so the CPU check runs fp16 activations; the GPU check runs the
-engine's bf16.  Runs in a subprocess because the interpreter is chosen when Triton is
+engine's bf16.  (The H200 machine's Triton fails in the interpreter itself, as with the KV
+ring's interpreter test; the GPU test is the one that counts there.)  Runs in a subprocess because the interpreter is chosen when Triton is
 imported.
 """
 
@@ -23,7 +24,6 @@ SCRIPT = textwrap.dedent("""
     import torch
     from engines.fastpath import fp8_gemv
     from engines.model.fp8_weights import quantize_weight
-    from engines.model.layers import linear
 
     torch.manual_seed(0)
     worst = 0.0
@@ -40,10 +40,7 @@ SCRIPT = textwrap.dedent("""
         assert y.shape == (M, 1, N) and y.dtype == torch.float16
         want = x.float() @ (data.float() * scale[:, None]).t()
         worst = max(worst, ((y.float() - want).abs().max() / want.abs().max()).item())
-        # layers.linear takes this path for both products at <= 16 rows ...
-        for matmul in ("scaled_mm", "w8a16"):
-            assert torch.equal(linear(x, data, scale, matmul), y)
-    # ... and not above it.
+    # Above one tile of rows, or in float32, it is not taken.
     assert not fp8_gemv.available(torch.zeros(17, 1, 8, dtype=torch.float16))
     assert not fp8_gemv.available(torch.zeros(1, 8, dtype=torch.float32))
     print(worst)
@@ -68,7 +65,6 @@ def test_few_row_fp8_product_on_the_gpu_at_7b_shapes_and_compiled():
     from engines.fastpath import fp8_gemv
     from engines.fastpath.compiled import compile_dynamic
     from engines.model.fp8_weights import quantize_weight
-    from engines.model.layers import linear
 
     torch.manual_seed(0)
     for N, K in ((12288, 4096), (4096, 11264), (3072, 1024)):
@@ -80,6 +76,6 @@ def test_few_row_fp8_product_on_the_gpu_at_7b_shapes_and_compiled():
             want = torch.nn.functional.linear(x, deq).float()
             rel = float((y.float() - want).norm() / want.norm())
             assert rel < 1e-2, (N, K, M, rel)
-    compiled = compile_dynamic(lambda x, w, s: linear(x, w, s, "scaled_mm") * 2)
+    compiled = compile_dynamic(lambda x, w, s: fp8_gemv.fp8_gemv(x, w, s) * 2)
     x = torch.randn(4, 1, 1024, device="cuda").to(torch.bfloat16)
     assert torch.equal(compiled(x, q.data, q.scale), fp8_gemv.fp8_gemv(x, q.data, q.scale) * 2)

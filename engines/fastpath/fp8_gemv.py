@@ -1,17 +1,18 @@
 """Weight-only fp8 products for a few rows (Triton): ``y = x @ (q * scale)^T``.
 
-At a few rows (decode ticks of up to ``GEMV_ROWS`` sessions) a linear layer costs the time
-to read its weight, so fp8 weights should halve it.  ``torch._scaled_mm`` does not get
-there: it first needs the activations in fp8 (one more kernel per linear, ~330 per tick),
-and the whole tick measured slower with it than with bf16 weights at B = 1 (11.82 against
+A candidate for the decode ticks of up to ``GEMV_ROWS`` sessions, which are bound by reading
+the weights: fp8 weights should halve that time, but ``torch._scaled_mm`` does not get there
+(the whole tick measured slower with it than with bf16 weights at B = 1: 11.82 against
 10.99 ms, docs/PERFORMANCE.md).  This kernel reads the fp8 weight once, converts it in
-registers and multiplies with the bf16 activations on tensor cores (rows padded to 16),
-then applies the per-output-channel scale: the W8A16 numerics of ``layers.linear`` with a
-float32 sum before the scale instead of a bf16 dequantized weight.
+registers, multiplies with the bf16 activations on tensor cores (rows padded to 16) and
+applies the per-output-channel scale: W8A16 numerics with a float32 sum before the scale.
 
-One program per ``BLOCK_N`` output channels holds every row, so each weight byte is read
-once per call.  Exposed as the custom op ``personaplex::fp8_gemv`` so compiled pieces call
-it without a graph break.
+**Not used by the engine**: with the constants below it measured slower than the bf16
+weights' cuBLAS product on the H200 (1.1-1.5 TB/s of fp8 weight against ~3.5 TB/s of bf16,
+``engines.tools.bench_fp8_gemm``, 2026-12-03), so ``layers.linear`` does not take it.  The
+micro-benchmark's ``--sweep`` times its block shapes; a configuration that beats cuBLAS's
+bf16 product by reading half the bytes is the condition for wiring it in.  Exposed as the
+custom op ``personaplex::fp8_gemv`` so compiled pieces could call it without a graph break.
 """
 
 from __future__ import annotations

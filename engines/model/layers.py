@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.fastpath import fp8_gemv
 from engines.model.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8
 
 # How an fp8 weight is multiplied (``linear``'s ``matmul``), chosen once per model by
@@ -34,13 +33,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     batch-invariant and documents its agreement instead).
 
     ``scale``: ``weight`` is fp8 with one float32 scale per output channel
-    (``model.fp8_weights``), multiplied as ``matmul`` says above ``fp8_gemv.GEMV_ROWS``
-    rows; on a GPU, fewer rows read the fp8 weight directly (``fastpath.fp8_gemv``, W8A16
-    numerics) whichever ``matmul``, since that regime is bound by the weight's bytes.
+    (``model.fp8_weights``), multiplied as ``matmul`` says.
     """
     if scale is not None:
-        if fp8_gemv.available(x):
-            return fp8_gemv.fp8_gemv(x, weight, scale)
         if matmul == "scaled_mm" and _fits_scaled_mm(x, weight):
             return _scaled_mm_linear(x, weight, scale)
         weight = dequantize_fp8(weight, scale, x.dtype)
