@@ -23,7 +23,7 @@ import tomllib
 
 from engines.config import (BACKENDS, COMPILE_MODES, KV_CACHE_MODES, LM_FILE, WEIGHT_MODES, LMConfig, WindowMode,
                             kv_window_bytes)
-from engines.checkpoints.hub import DEFAULT_REPO, parse_repo_ref
+from engines.checkpoints.hub import DEFAULT_REPO, local_checkpoint, parse_repo_ref
 from engines.checkpoints.random_weights import RANDOM_MODEL_BYTES, random_model_name
 from engines.checkpoints.weights_format import is_fp8_checkpoint
 
@@ -361,7 +361,7 @@ class Settings:
         if self.checkpoint is None:
             return 0
         random_model = random_model_name(self.checkpoint)
-        path = None if random_model is not None else _local_checkpoint(self.checkpoint)
+        path = None if random_model is not None else local_checkpoint(self.checkpoint)
         if path is not None:
             on_disk = _dir_bytes(path)
         else:
@@ -447,21 +447,6 @@ def _coerce(name: str, type_name: Any, raw: Any) -> Any:
         kind = type_name.split(" ")[0].split("[")[0]
         raise SettingsError(f"{where} must be {kind}, got {raw!r}") from None
     raise SettingsError(f"{where}: unsupported setting type {type_name}")  # pragma: no cover
-
-
-def _local_checkpoint(checkpoint: str) -> Path | None:
-    """The directory ``checkpoint`` names, or for a repo id its snapshot in the local Hugging
-    Face cache (None when not downloaded; nothing is fetched here)."""
-    path = Path(checkpoint).expanduser()
-    if path.is_dir():
-        return path
-    ref = parse_repo_ref(checkpoint)
-    if ref is None:
-        return None  # the engine reports what is wrong with it
-    import huggingface_hub
-
-    cached = huggingface_hub.try_to_load_from_cache(ref.repo_id, LM_FILE, revision=ref.revision)
-    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def _dir_bytes(path: Path) -> int:

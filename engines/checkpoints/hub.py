@@ -82,6 +82,22 @@ def resolve_checkpoint(value: str | Path | None, *, cache_dir: str | Path | None
     return download(ref, cache_dir=cache_dir, local_name=text)
 
 
+def local_checkpoint(value: str) -> Path | None:
+    """What ``resolve_checkpoint`` would give without fetching anything: the directory
+    ``value`` names, or a repo id's snapshot already in the local Hugging Face cache (None
+    when it is not there, or ``value`` is neither)."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return path
+    ref = parse_repo_ref(value)
+    if ref is None:
+        return None
+    import huggingface_hub
+
+    cached = huggingface_hub.try_to_load_from_cache(ref.repo_id, LM_FILE, revision=ref.revision)
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
 def download(ref: RepoRef, *, cache_dir: str | Path | None = None, local_name: str | None = None) -> Path:
     """The snapshot of ``ref`` with the files a checkpoint needs (downloaded as needed)."""
     import huggingface_hub

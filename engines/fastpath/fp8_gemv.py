@@ -17,6 +17,8 @@ custom op ``personaplex::fp8_gemv`` so compiled pieces could call it without a g
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -75,8 +77,6 @@ def available(x: torch.Tensor) -> bool:
 
 
 def _interpreted() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 

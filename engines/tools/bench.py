@@ -170,6 +170,15 @@ def fp8_attention_error(batch: int = 8, heads: int = 32, capacity: int = 3000, h
             "relative_error_max": float(err.max())}
 
 
+def fp8_linear_shapes(cfg: LMConfig) -> dict[str, tuple[int, int]]:
+    """[N, K] of each linear layer whose weight may be fp8 (``model.fp8_weights``), at
+    ``cfg``'s shapes: the temporal layers', ``depformer_in`` and the depformer layers'."""
+    d, h, dd, dh = cfg.dim, cfg.ffn_hidden, cfg.depformer_dim, cfg.depformer_ffn_hidden
+    return {"in_proj": (3 * d, d), "out_proj": (d, d), "ffn_in": (2 * h, d), "ffn_out": (d, h),
+            "depformer_in": (dd, d), "depformer.in_proj": (3 * dd, dd), "depformer.out_proj": (dd, dd),
+            "depformer.ffn_in": (2 * dh, dd), "depformer.ffn_out": (dd, dh)}
+
+
 def fp8_weight_error(device: str = "cuda", rows: int = 64, seed: int = 0) -> dict:
     """Each 7B linear layer's output with fp8 weights against bf16 weights, on random
     activations, for both products (``layers.linear``): W8A16, and W8A8 with a scale per
@@ -179,14 +188,9 @@ def fp8_weight_error(device: str = "cuda", rows: int = 64, seed: int = 0) -> dic
     from engines.model.fp8_weights import quantize_weight
     from engines.model.layers import linear
 
-    cfg = LMConfig()
-    d, h, dd, dh = cfg.dim, cfg.ffn_hidden, cfg.depformer_dim, cfg.depformer_ffn_hidden
-    shapes = {"in_proj": (3 * d, d), "out_proj": (d, d), "ffn_in": (2 * h, d), "ffn_out": (d, h),
-              "depformer.in_proj": (3 * dd, dd), "depformer.ffn_in": (2 * dh, dd), "depformer.ffn_out": (dd, dh),
-              "depformer_in": (dd, d)}
     g = torch.Generator(device=device).manual_seed(seed)
     out: dict = {"rows": rows, "layers": {}}
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in fp8_linear_shapes(LMConfig()).items():
         spread = torch.logspace(-0.5, 0.5, n, device=device).view(-1, 1)
         w = (torch.randn(n, k, device=device, generator=g) * 0.02 * spread).bfloat16()
         q = quantize_weight(w)
@@ -258,7 +262,7 @@ def _baseline_one(lm, mimi, B: int, ticks: int, warmup: int, speech: np.ndarray)
     return row
 
 
-def _git_revision() -> str:
+def git_revision() -> str:
     import os
 
     if os.environ.get("BENCH_GIT_REVISION"):  # runs on a copy of the tree without .git
@@ -410,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": " ".join([sys.executable, "-m", "engines.tools.bench", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_revision": _git_revision(),
+        "git_revision": git_revision(),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),

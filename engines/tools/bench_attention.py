@@ -28,7 +28,7 @@ def _time(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _graphed_time(fn, reps: int = 20) -> float:
+def graphed_time(fn, reps: int = 20) -> float:
     """Time ``fn`` replayed from a CUDA graph (no launch overhead, as in the engine)."""
     fn()
     torch.cuda.synchronize()
@@ -73,7 +73,7 @@ def main() -> None:
                             attention.decode_attention(q, keys, values, slots, q_pos, lo, bn, w, st, ms,
                                                        scales=scales)
                         try:
-                            t = _graphed_time(variant)
+                            t = graphed_time(variant)
                         except Exception:  # some configs exceed shared memory or registers
                             continue
                         if best is None or t < best[0]:
@@ -88,7 +88,7 @@ def main() -> None:
                 v = (v.float() * scales[1][slots].unsqueeze(-1)).bfloat16()
             F.scaled_dot_product_attention(q.unsqueeze(2), k, v)
 
-        t_tri, t_gat = _graphed_time(triton_path), _graphed_time(gather_path)
+        t_tri, t_gat = graphed_time(triton_path), graphed_time(gather_path)
         print(f"B={B:3d} per layer: triton {t_tri:.3f} ms ({gbytes / (t_tri / 1e3):.0f} GB/s), "
               f"gather+sdpa {t_gat:.3f} ms; x32 layers: {32 * t_tri:.1f} vs {32 * t_gat:.1f} ms")
         keys = values = scales = None  # free this B's cache before the next

@@ -5,9 +5,10 @@ against the fp8 weight products.
 
 Per weight shape of the temporal transformer and the depformer and per row count M, the GPU
 time (CUDA-graph replays, no launch overhead, as in the engine's tick) of:
-``bf16`` (``F.linear`` on the bf16 weight), ``gemv`` (``fastpath.fp8_gemv``, M <= 16),
-``scaled_mm`` (per-row activation quantization + ``torch._scaled_mm``, compiled as in the
-engine's pieces) and ``w8a16`` (dequantize, then the bf16 GEMM, compiled).  The effective
+``bf16`` (``F.linear`` on the bf16 weight), ``gemv`` (``fastpath.fp8_gemv``, M <= 16), and
+``layers.linear``'s two fp8 products compiled as in the engine's pieces: ``scaled_mm``
+(per-row activation quantization + ``torch._scaled_mm``) and ``w8a16`` (dequantize, then the
+bf16 GEMM).  The effective
 bandwidth is the weight's bytes over the time.  ``--sweep`` also times the gemv kernel's
 configurations at M = 1 and reports the best per shape.  Prints a table and writes JSON.
 """
@@ -25,19 +26,10 @@ import torch.nn.functional as F
 from engines.config import LMConfig
 from engines.fastpath import fp8_gemv
 from engines.fastpath.compiled import compile_dynamic
-from engines.model.fp8 import dequantize_fp8
 from engines.model.fp8_weights import quantize_weight
-from engines.model.layers import _scaled_mm_linear
-from engines.tools.bench import _git_revision
-from engines.tools.bench_attention import _graphed_time
-
-
-def weight_shapes(cfg: LMConfig) -> dict[str, tuple[int, int]]:
-    """[N, K] of each fp8 linear layer at ``cfg``'s shapes."""
-    d, h, dd, dh = cfg.dim, cfg.ffn_hidden, cfg.depformer_dim, cfg.depformer_ffn_hidden
-    return {"in_proj": (3 * d, d), "out_proj": (d, d), "ffn_in": (2 * h, d), "ffn_out": (d, h),
-            "depformer_in": (dd, d), "depformer.in_proj": (3 * dd, dd), "depformer.out_proj": (dd, dd),
-            "depformer.ffn_in": (2 * dh, dd), "depformer.ffn_out": (dd, dh)}
+from engines.model.layers import linear
+from engines.tools.bench import fp8_linear_shapes, git_revision
+from engines.tools.bench_attention import graphed_time
 
 
 SWEEP = list(itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 4, 6)))
@@ -52,21 +44,20 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8_gemm: needs a CUDA GPU")
     rows_list = [int(r) for r in args.rows.split(",")]
-    scaled_mm = compile_dynamic(_scaled_mm_linear)
-    w8a16 = compile_dynamic(lambda x, w, s: F.linear(x, dequantize_fp8(w, s, x.dtype)))
+    product = compile_dynamic(linear)
     results = []
     torch.manual_seed(0)
-    for name, (N, K) in weight_shapes(LMConfig()).items():
+    for name, (N, K) in fp8_linear_shapes(LMConfig()).items():
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         q = quantize_weight(w)
         for M in rows_list:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             row = {"weight": name, "N": N, "K": K, "M": M,
-                   "bf16_ms": _graphed_time(lambda: F.linear(x, w)),
-                   "scaled_mm_ms": _graphed_time(lambda: scaled_mm(x, q.data, q.scale)),
-                   "w8a16_ms": _graphed_time(lambda: w8a16(x, q.data, q.scale))}
+                   "bf16_ms": graphed_time(lambda: F.linear(x, w)),
+                   "scaled_mm_ms": graphed_time(lambda: product(x, q.data, q.scale, "scaled_mm")),
+                   "w8a16_ms": graphed_time(lambda: product(x, q.data, q.scale, "w8a16"))}
             if M <= fp8_gemv.GEMV_ROWS:
-                row["gemv_ms"] = _graphed_time(lambda: fp8_gemv.fp8_gemv(x, q.data, q.scale))
+                row["gemv_ms"] = graphed_time(lambda: fp8_gemv.fp8_gemv(x, q.data, q.scale))
             results.append(row)
             print(f"{name:>20} M={M:<4} " + "  ".join(f"{k[:-3]} {v * 1e3:7.1f} us" for k, v in row.items()
                                                       if k.endswith("_ms")), flush=True)
@@ -75,7 +66,7 @@ def main() -> None:
             timed = []
             for config in SWEEP:
                 try:
-                    timed.append((_graphed_time(lambda: fp8_gemv.launch(x, q.data, q.scale, *config)), config))
+                    timed.append((graphed_time(lambda: fp8_gemv.launch(x, q.data, q.scale, *config)), config))
                 except Exception as error:  # a configuration the GPU cannot hold (shared memory)
                     print(f"  config {config} failed: {type(error).__name__}")
             best_ms, best = min(timed)
@@ -97,7 +88,7 @@ def main() -> None:
                   f"--{k.replace('_', '-')} {v}" if not isinstance(v, bool) else f"--{k}" for k, v in vars(args).items()
                   if v is not False),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "git_revision": _git_revision(), "gpu": torch.cuda.get_device_name(),
+              "git_revision": git_revision(), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "gemv_config": {"block_n": fp8_gemv.BLOCK_N, "block_k": fp8_gemv.BLOCK_K,
                                                           "num_warps": fp8_gemv.NUM_WARPS,
                                                           "num_stages": fp8_gemv.NUM_STAGES},
