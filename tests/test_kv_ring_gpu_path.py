@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import math, torch
-    from engines.fastpath import attention
+    from engines.fastpath import attention, kv_write
     from engines.state.kv_ring import SlotKVRing, WindowMode, window_start
 
     # No CUDA here: fixed split size instead of one derived from the SM count.
@@ -41,6 +41,9 @@ SCRIPT = textwrap.dedent("""
                     outs = []
                     for use_kernel, ring in zip((False, True), rings):
                         attention.available = lambda device, on=use_kernel: on
+                        # Not the fused fp8 write: the interpreter rounds some values to e4m3
+                        # wrongly (tests/test_kv_write.py); it is checked on the GPU.
+                        kv_write.available = lambda device: False
                         outs.append(ring.attend(1, slots, q, k, v, positions, lo))
                         ring.advance(slots, T)
                     worst = max(worst, (outs[0] - outs[1]).abs().max().item())

@@ -72,3 +72,26 @@ def test_prefill_length_is_voice_plus_silences_plus_persona(engine):
     prefill = engine.prepare(spec)
     assert prefill.offset == voice.frames + 12 + len(persona)
     assert prefill.positions == prefill.offset - 1
+
+
+def test_forcing_the_user_codes_at_the_end_of_a_live_call_changes_nothing(engine):
+    """``step_tokens`` forces the user's codes after the model call (so that their encoding can
+    overlap it on the GPU); a session stepped that way emits what one forced first emits."""
+    cfg = engine.cfg
+    spec = SessionSpec(sampling=SamplingParams(greedy=True))
+    late, early = engine.open_slot(spec), engine.open_slot(spec)
+    half = cfg.audio_codebooks
+    g = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        for _ in range(8):
+            user = torch.randint(0, cfg.card, (1, half), generator=g)
+            forced = torch.zeros(1, cfg.num_streams, dtype=torch.long)
+            mask = torch.zeros_like(forced, dtype=torch.bool)
+            forced[:, 1 + half :], mask[:, 1 + half :] = user, True
+            got = engine.step_tokens(torch.tensor([late]), user)
+            want = engine.lm_call(torch.tensor([early]), forced, mask, live=True)
+            assert torch.equal(got, want)
+        assert torch.equal(engine.tokens.cache[late], engine.tokens.cache[early])
+        assert torch.equal(engine.tokens.provided[late], engine.tokens.provided[early])
+    engine.close_slot(late)
+    engine.close_slot(early)

@@ -56,7 +56,8 @@ def random_mimi(cfg: MimiConfig, num_slots: int, device: torch.device, seed: int
 def build_random_engine(num_slots: int, device: str, tokenizer_path: Path, steps: int = 8,
                         lm_cfg: LMConfig = LMConfig(), mimi_cfg: MimiConfig = MimiConfig(),
                         cuda_graphs: bool = True, kv_cache: str = "auto", compile: bool = False,
-                        weights: str = "auto", fp8_matmul: str = "auto", window: str = WindowMode.REFERENCE, voice_names: Sequence[str] = (),
+                        weights: str = "auto", fp8_matmul: str = "auto", window: str = WindowMode.REFERENCE,
+                        voice_names: Sequence[str] = (), overlap_encode: bool = True,
                         model_name: str = "random-7b-shapes", is_demo: bool = False) -> PersonaPlexEngine:
     """An engine with random weights at ``lm_cfg`` / ``mimi_cfg`` shapes (the benchmark's, and
     the server's ``PERSONAPLEX_CHECKPOINT=random:...``); ``voice_names`` get random prompts of
@@ -71,5 +72,6 @@ def build_random_engine(num_slots: int, device: str, tokenizer_path: Path, steps
     return PersonaPlexEngine(lm, mimi, TextTokenizer(tokenizer_path), voices, num_slots,
                              EngineOptions(device=device, window=window, depformer_steps=steps,
                                            cuda_graphs=cuda_graphs, kv_cache=kv_cache, compile=compile,
-                                           weights=weights, fp8_matmul=fp8_matmul),
+                                           weights=weights, fp8_matmul=fp8_matmul,
+                                           overlap_encode=overlap_encode),
                              model_name=model_name, is_demo=is_demo)

@@ -1,18 +1,21 @@
 """Weight-only fp8 products for a few rows (Triton): ``y = x @ (q * scale)^T``.
 
-A candidate for the decode ticks of up to ``GEMV_ROWS`` sessions, which are bound by reading
-the weights: fp8 weights should halve that time, but ``torch._scaled_mm`` does not get there
-(the whole tick measured slower with it than with bf16 weights at B = 1: 11.82 against
-10.99 ms, docs/PERFORMANCE.md).  This kernel reads the fp8 weight once, converts it in
-registers, multiplies with the bf16 activations on tensor cores (rows padded to 16) and
-applies the per-output-channel scale: W8A16 numerics with a float32 sum before the scale.
+For the decode ticks of up to ``GEMV_ROWS`` sessions, which only read weights: fp8 weights
+halve the bytes, but neither cuBLASLt's fp8 kernels (``torch._scaled_mm``, which also has to
+quantize the activations first) nor a tensor-core Triton kernel read them faster than cuBLAS
+reads bf16 at a few rows (1.1-1.75 TB/s against ~3.5 TB/s on the H200, docs/PERFORMANCE.md).
+This kernel does the arithmetic on CUDA cores instead: each program streams ``BLOCK_N``
+output channels' weight rows in ``BLOCK_K``-wide steps, converts them to float32 in
+registers and multiplies them with every activation row, keeping float32 partial sums per
+lane until the end, then applies the per-output-channel scale: W8A16 numerics (float32
+sums, the scale after the sum).  On the H200 it reads the 7B temporal weights at 2.0-2.9
+TB/s of fp8 at one row and 1.8-2.5 at two (cuBLAS: 2.7-3.7 TB/s of bf16), so a one- or
+two-row product takes 60-80 % of the bf16 one's time; ncu puts half of each warp's cycles
+in waiting for its weight load (latency, not bandwidth, is what is left to win).  Each
+further row costs its share of multiplies: at four rows it is slower than bf16.
 
-**Not used by the engine**: with the constants below it measured slower than the bf16
-weights' cuBLAS product on the H200 (1.1-1.5 TB/s of fp8 weight against ~3.5 TB/s of bf16,
-``engines.tools.bench_fp8_gemm``, 2026-12-03), so ``layers.linear`` does not take it.  The
-micro-benchmark's ``--sweep`` times its block shapes; a configuration that beats cuBLAS's
-bf16 product by reading half the bytes is the condition for wiring it in.  Exposed as the
-custom op ``personaplex::fp8_gemv`` so compiled pieces could call it without a graph break.
+Exposed as the custom op ``personaplex::fp8_gemv`` so compiled pieces call it without a
+graph break.  ``layers.linear`` takes it where ``available`` says so.
 """
 
 from __future__ import annotations
@@ -27,43 +30,82 @@ try:
 except ImportError:  # CPU-only installs: layers.linear dequantizes instead
     triton = None
 
-# Most rows one call takes: one tensor-core tile.  Above it the GEMM libraries' fp8 or bf16
-# kernels reuse each weight tile across rows and win.
-GEMV_ROWS = 16
-# Output channels per program and the K step: 16 channels keep >= 256 programs on the 7B
-# temporal layers (N >= 4096) for the H200's 132 SMs; 256-wide K steps move 4 KB of weight
-# per stage.
-BLOCK_N = 16
-BLOCK_K = 256
+# Most rows ``layers.linear`` gives it: at 4 rows it took 1.5x the time of bf16 cuBLAS
+# and of scaled_mm (in_proj 42.9 against 28.1 / 28.5 us, H200), at 2 rows 0.8x.  The
+# kernel itself takes up to ``KERNEL_ROWS`` (the micro-benchmark times 4).
+GEMV_ROWS = 2
+KERNEL_ROWS = 4
+# Output channels per program and the K step (the defaults; ``launch`` takes others for the
+# micro-benchmark's sweep): the sweep's best or within 2 % of it at two rows on each of the
+# four 7B temporal weights (H200, 2026-12-03: in_proj 22.8 us, out_proj 9.5, ffn_in 37.5,
+# ffn_out 20.4; docs/PERFORMANCE.md).  Triton does not pipeline this loop (it has no dot):
+# the stage count changed nothing.
+BLOCK_N = 4
+BLOCK_K = 512
 NUM_WARPS = 4
-NUM_STAGES = 4
+NUM_STAGES = 3
 
 
 if triton is not None:
 
     @triton.jit
-    def _fp8_gemv_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _rows_fma(acc0, acc1, acc2, acc3, w_raw, X, stride_xm, k_off, k_mask, ROWS: tl.constexpr,
+                  MASKED: tl.constexpr):
+        """acc_r [BLOCK_N, BLOCK_K] += weight tile * activation row r's K slice, for each row.
+        The weight tile is converted once for all rows; each row's slice is loaded as a
+        [1, BLOCK_K] tile in the weight tile's own layout, so the broadcast over the channels
+        needs no shuffle through shared memory."""
+        w = w_raw.to(tl.float32)
+        ptr = X + k_off
+        acc0 += w * (tl.load(ptr, mask=k_mask, other=0.0) if MASKED else tl.load(ptr)).to(tl.float32)
+        if ROWS > 1:
+            ptr = ptr + stride_xm
+            acc1 += w * (tl.load(ptr, mask=k_mask, other=0.0) if MASKED else tl.load(ptr)).to(tl.float32)
+        if ROWS > 2:
+            ptr = ptr + stride_xm
+            acc2 += w * (tl.load(ptr, mask=k_mask, other=0.0) if MASKED else tl.load(ptr)).to(tl.float32)
+        if ROWS > 3:
+            ptr = ptr + stride_xm
+            acc3 += w * (tl.load(ptr, mask=k_mask, other=0.0) if MASKED else tl.load(ptr)).to(tl.float32)
+        return acc0, acc1, acc2, acc3
+
+    @triton.jit
+    def _fp8_rows_kernel(X, W, S, Y, N, K, stride_xm, stride_wn, stride_ym,
+                         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, BLOCK_M)
-        k = tl.arange(0, BLOCK_K)
+        k = tl.arange(0, BLOCK_K)[None, :]
         n_ok = n < N
-        m_ok = m < M
-        # 64-bit weight offsets: ffn weights of a 7B model pass 2**31 bytes per tensor stack.
-        w_ptr = W + n[:, None].to(tl.int64) * stride_wn + k[None, :]
-        x_ptr = X + m[:, None] * stride_xm + k[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # Out-of-range channels read row 0 instead of being masked: the loads stay unmasked
+        # 16-byte vectors, and their sums are never stored.
+        n_safe = tl.where(n_ok, n, 0)
+        # 64-bit weight offsets: an FFN weight stack of a 7B model passes 2**31 bytes.
+        w_ptr = W + n_safe[:, None].to(tl.int64) * stride_wn + k
+        # Float32 partials per (channel, lane position), one set per row (ROWS <= KERNEL_ROWS): no
+        # cross-lane reduction until the end.
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        # (Loading the next two weight tiles ahead of the one being multiplied, against the
+        # latency ncu shows, measured 40-60 % slower on the H200, 2026-12-03.)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = (k0 + k) < K
-            w = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-            w_ptr += BLOCK_K
-            x_ptr += BLOCK_K
-        scale = tl.load(S + n, mask=n_ok, other=0.0)
-        y = acc * scale[None, :]
-        tl.store(Y + m[:, None] * stride_ym + n[None, :], y.to(Y.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+            k_mask = (k0 + k) < K
+            if EVEN_K:
+                w_raw = tl.load(w_ptr + k0, eviction_policy="evict_first")
+            else:
+                w_raw = tl.load(w_ptr + k0, mask=k_mask, other=0.0, eviction_policy="evict_first")
+            acc0, acc1, acc2, acc3 = _rows_fma(acc0, acc1, acc2, acc3, w_raw, X, stride_xm, k0 + k, k_mask,
+                                               ROWS, not EVEN_K)
+        scale = tl.load(S + n_safe)
+        out = Y.dtype.element_ty
+        tl.store(Y + n, (tl.sum(acc0, axis=1) * scale).to(out), mask=n_ok)
+        if ROWS > 1:
+            tl.store(Y + stride_ym + n, (tl.sum(acc1, axis=1) * scale).to(out), mask=n_ok)
+        if ROWS > 2:
+            tl.store(Y + 2 * stride_ym + n, (tl.sum(acc2, axis=1) * scale).to(out), mask=n_ok)
+        if ROWS > 3:
+            tl.store(Y + 3 * stride_ym + n, (tl.sum(acc3, axis=1) * scale).to(out), mask=n_ok)
 
 
 def available(x: torch.Tensor) -> bool:
@@ -91,16 +133,19 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torc
 
 def launch(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
            num_warps: int, num_stages: int) -> torch.Tensor:
-    """The kernel on contiguous ``rows`` [M <= 16, K] with an explicit configuration (the
-    op's constants; ``engines.tools.bench_fp8_gemm`` sweeps them)."""
+    """The kernel on contiguous ``rows`` [M <= KERNEL_ROWS, K] with an explicit configuration
+    (the op's constants; ``engines.tools.bench_fp8_gemm`` sweeps them)."""
     M, K = rows.shape
     N = weight.shape[0]
+    if M > KERNEL_ROWS:
+        raise ValueError(f"the few-row fp8 kernel takes at most {KERNEL_ROWS} rows, got {M}")
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(M, N, dtype=rows.dtype, device=rows.device)
-    _fp8_gemv_kernel[(triton.cdiv(N, block_n),)](
-        rows, weight, scale.contiguous(), y, M, N, K, rows.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=GEMV_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    _fp8_rows_kernel[(triton.cdiv(N, block_n),)](
+        rows, weight, scale.contiguous(), y, N, K, rows.stride(0), weight.stride(0), y.stride(0),
+        ROWS=M, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+        num_warps=num_warps, num_stages=num_stages)
     return y
 
 

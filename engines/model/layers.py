@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engines.fastpath import fp8_gemv
 from engines.model.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8
 
 # How an fp8 weight is multiplied (``linear``'s ``matmul``), chosen once per model by
@@ -33,11 +34,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     batch-invariant and documents its agreement instead).
 
     ``scale``: ``weight`` is fp8 with one float32 scale per output channel
-    (``model.fp8_weights``), multiplied as ``matmul`` says.
+    (``model.fp8_weights``), multiplied as ``matmul`` says above ``fp8_gemv.GEMV_ROWS``
+    rows; on a GPU, fewer rows read the fp8 weight directly (``fastpath.fp8_gemv``, W8A16
+    numerics) whichever ``matmul``: that regime is bound by the weight's bytes alone.
     """
     if scale is not None:
+        if fp8_gemv.available(x):
+            return fp8_gemv.fp8_gemv(x, weight, scale)
         if matmul == "scaled_mm" and _fits_scaled_mm(x, weight):
-            return _scaled_mm_linear(x, weight, scale)
+            return scaled_mm_linear(x, weight, scale)
         weight = dequantize_fp8(weight, scale, x.dtype)
     if x.device.type != "cpu":
         return F.linear(x, weight)
@@ -52,7 +57,7 @@ def _fits_scaled_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and weight.shape[-1] % 16 == 0 and weight.shape[-2] % 16 == 0
 
 
-def _scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """W8A8 with a dynamic scale per activation row (per token), so no calibration."""
     rows = x.reshape(-1, x.shape[-1]).float()
     row_scale = (rows.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)

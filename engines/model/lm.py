@@ -150,19 +150,25 @@ class MoshiLM(nn.Module):
         self._attention_input = attention_input
         self._attention_output_ffn = attention_output_ffn
         self._embed_streams = embed_streams
+        self._depformer_step = depformer_step
 
     def compile_blocks(self) -> None:
         """Replace the layer halves with ``torch.compile``d versions (GPU fast path).
 
         Inductor fuses each half's norms, RoPE, casts, SiLU gate and residual adds into a
         few kernels around the GEMMs (the eager tick launches thousands of tiny kernels).
-        Shapes are dynamic so one compilation serves every batch bucket and both the
-        temporal transformer and the depformer.  Changes rounding only (float32 statistics
+        Shapes are dynamic so one compilation serves every batch bucket (and every
+        depformer step past the first two: sizes 0 and 1 of the steps so far are
+        specialised).  Changes rounding only (float32 statistics
         are kept); the CPU reference path never calls this.
         """
         self._attention_input = compile_dynamic(attention_input)
         self._attention_output_ffn = compile_dynamic(attention_output_ffn)
         self._embed_streams = compile_dynamic(embed_streams)
+        # A whole codebook step (its 6 layers, input and head) is one compiled piece: the
+        # depformer runs 8 of them per tick at a few rows, where each kernel's launch on the
+        # GPU costs more than its work.
+        self._depformer_step = compile_dynamic(depformer_step)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -238,31 +244,58 @@ class MoshiLM(nn.Module):
         draws step k's token from float32 logits [B, card].  Returns the samples [B, steps].
         """
         cfg = self.cfg
-        steps = self.depformer_steps
         B = hidden.shape[0]
-        H, Dh = cfg.depformer_num_heads, cfg.depformer_head_dim
-        n_layers = cfg.depformer_num_layers
-        keys = hidden.new_zeros(n_layers, B, H, steps, Dh)
-        values = torch.zeros_like(keys)
+        # The keys and values of the steps so far, per layer: [layers, B, H, steps so far, Dh].
+        keys = hidden.new_zeros(cfg.depformer_num_layers, B, cfg.depformer_num_heads, 0, cfg.depformer_head_dim)
+        values = keys
         samples = []
         prev = first_token
-        matmul = self.fp8_matmul or "w8a16"
-        fp8 = self.fp8_matmul is not None
-        for k in range(steps):
-            table = self.depformer_text_emb if k == 0 else self.depformer_emb[k - 1]
-            x = linear(hidden, self.depformer_in[k], self.depformer_in_scale[k] if fp8 else None, matmul)
-            x = (x + embed(table, prev)).unsqueeze(1)
-            lo = depformer_first_visible(k, cfg.dep_q, window)
-            for i, layer in enumerate(self.depformer_layers):
-                q, kk, vv = self._attention_input(x, layer.norm1, layer.in_proj[k], H, cfg.norm_eps, None,
-                                                  layer.in_proj_scale[k] if fp8 else None, matmul)
-                keys[i, :, :, k] = kk[:, :, 0]
-                values[i, :, :, k] = vv[:, :, 0]
-                a = F.scaled_dot_product_attention(q, keys[i, :, :, lo : k + 1], values[i, :, :, lo : k + 1])
-                x = self._attention_output_ffn(x, a, layer.out_proj[k], layer.norm2, layer.ffn_in[k],
-                                               layer.ffn_out[k], cfg.norm_eps, _output_scales(layer, k), matmul)
-            logits = linear(x[:, 0], self.linears[k]).float()
+        for k in range(self.depformer_steps):
+            logits, keys, values = self._depformer_step(hidden, prev, keys, values,
+                                                        depformer_first_visible(k, cfg.dep_q, window),
+                                                        self.depformer_step_weights(k), cfg.depformer_num_heads,
+                                                        cfg.norm_eps, self.fp8_matmul or "w8a16")
             token = sample(k, logits)
             samples.append(token)
             prev = torch.where(forced_mask[:, k], forced[:, k], token)
         return torch.stack(samples, dim=1)
+
+    def depformer_step_weights(self, k: int) -> DepformerStepWeights:
+        """``depformer_step``'s weights of codebook step ``k``."""
+        fp8 = self.fp8_matmul is not None
+        layers = tuple(
+            (layer.norm1, layer.in_proj[k], layer.in_proj_scale[k] if fp8 else None, layer.out_proj[k], layer.norm2,
+             layer.ffn_in[k], layer.ffn_out[k], _output_scales(layer, k))
+            for layer in self.depformer_layers)
+        table = self.depformer_text_emb if k == 0 else self.depformer_emb[k - 1]
+        return (self.depformer_in[k], self.depformer_in_scale[k] if fp8 else None, table, self.linears[k], layers)
+
+
+# (input projection, its fp8 scales or None, token embedding table, output head, per layer:
+# (norm1, in_proj, in_proj's scales, out_proj, norm2, ffn_in, ffn_out, the output scales)).
+DepformerStepWeights = tuple
+
+
+def depformer_step(hidden: torch.Tensor, prev: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo: int,
+                   weights: DepformerStepWeights, heads: int, eps: float,
+                   matmul: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One codebook step of the depformer, as one function of its weights so that one compiled
+    version serves every step (``MoshiLM.compile_blocks``): the step's input (``hidden`` [B, D]
+    projected, plus the embedding of the previous token ``prev`` [B]), its layers, and its
+    head.  ``keys``/``values`` [layers, B, H, k, Dh] hold steps 0..k-1; the step attends to
+    steps ``lo``..k.  Returns float32 logits [B, card] and the keys / values with step k
+    appended (a new tensor, not a write into a buffer: the function stays pure, so the
+    compiler is free to fuse the appends into the projections)."""
+    in_proj, in_scale, table, head, layers = weights
+    x = (linear(hidden, in_proj, in_scale, matmul) + embed(table, prev)).unsqueeze(1)
+    new_keys, new_values = [], []
+    for i, (norm1, qkv, qkv_scale, out_proj, norm2, ffn_in, ffn_out, out_scales) in enumerate(layers):
+        q, key, value = attention_input(x, norm1, qkv, heads, eps, None, qkv_scale, matmul)
+        visible_keys = torch.cat([keys[i], key], dim=2)[:, :, lo:]
+        visible_values = torch.cat([values[i], value], dim=2)[:, :, lo:]
+        a = F.scaled_dot_product_attention(q, visible_keys, visible_values)
+        x = attention_output_ffn(x, a, out_proj, norm2, ffn_in, ffn_out, eps, out_scales, matmul)
+        new_keys.append(key)
+        new_values.append(value)
+    logits = linear(x[:, 0], head).float()
+    return logits, torch.cat([keys, torch.stack(new_keys)], dim=3), torch.cat([values, torch.stack(new_values)], dim=3)

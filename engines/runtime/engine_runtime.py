@@ -12,7 +12,7 @@ is prepared (``prepare_in_pieces``), and optionally a faster tick or depformer.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -49,6 +49,9 @@ class EngineRuntime:
         self.tokens = TokenState(cfg, total, device=device)
         self.sampling = SlotSampling(total, device)
         self.clock = StageClock()  # per-stage timing for benchmarks (GPU only)
+        # A CUDA stream for Mimi's encoding of the user's audio beside the LM call, or None
+        # (encode first, on the current stream).
+        self.encode_stream: torch.cuda.Stream | None = None
 
     # What a backend provides ------------------------------------------------------------------
     def temporal_call(self, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,12 +73,18 @@ class EngineRuntime:
     def depformer_call(self, slots: torch.Tensor, hidden: torch.Tensor, text: torch.Tensor, forced: torch.Tensor,
                        forced_mask: torch.Tensor) -> torch.Tensor:
         """The depformer's samples [B, steps] for one frame (``MoshiLM.depformer``)."""
-        return self.lm.depformer(hidden, text, forced, forced_mask,
-                                 lambda k, logits: self.sample(slots, 1 + k, logits, text=False), self.window)
+        sample = self.sampler(slots, text=False)  # the slots' settings gathered once for all steps
+        return self.lm.depformer(hidden, text, forced, forced_mask, lambda k, logits: sample(1 + k, logits),
+                                 self.window)
 
     def sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
         """``stream``'s tokens for ``slots`` from float32 ``logits`` with their settings."""
-        return self.sampling.sample(slots, stream, logits, text)
+        return self.sampler(slots, text)(stream, logits)
+
+    def sampler(self, slots: torch.Tensor, text: bool) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """``sample`` for ``slots`` and one kind of stream, as a function of (stream, logits):
+        a backend may gather the slots' settings once for several streams."""
+        return lambda stream, logits: self.sampling.sample(slots, stream, logits, text)
 
     def encode_user(self, slots: torch.Tensor, pcm: torch.Tensor) -> torch.Tensor:
         return self.mimi.encode_step(slots, pcm)
@@ -158,25 +167,48 @@ class EngineRuntime:
         Device tensors in and out (agent pcm [B, 1920], text ids [B]); no validation, and no
         host synchronisation of its own (the PyTorch backend captures it in a CUDA graph; the
         TensorRT-LLM engine call is not capturable and samples with data-dependent shapes).
+        With ``encode_stream`` set, Mimi encodes the user's audio on that stream, beside the
+        LM call on the current one (``step_tokens`` says why that is the same computation).
         """
-        user_codes = self.encode_user(slots, pcm)
-        self.clock.mark("mimi_encode")
-        out = self.step_tokens(slots, user_codes)
+        side = self.encode_stream
+        if side is None:
+            user_codes = self.encode_user(slots, pcm)
+        else:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                user_codes = self.encode_user(slots, pcm)
+        self.clock.mark("mimi_encode")  # with a side stream: the encode's launch only
+        out = self.step_tokens(slots, user_codes, encoded_on=side)
         # Rows of the scratch slot (graph padding) may hold placeholder ids: clamp for Mimi.
         agent = out[:, 1 : 1 + self.cfg.audio_codebooks].clamp(0, self.cfg.card - 1)
         agent_pcm = self.decode_agent(slots, agent)
         self.clock.mark("mimi_decode")
         return agent_pcm, out[:, 0]
 
-    def step_tokens(self, slots: torch.Tensor, user_codes: torch.Tensor) -> torch.Tensor:
-        """One live LM call: force ``user_codes`` [B, 8], return the emitted frames [B, 17]."""
+    def step_tokens(self, slots: torch.Tensor, user_codes: torch.Tensor,
+                    encoded_on: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """One live LM call with ``user_codes`` [B, 8] forced; returns the emitted frames [B, 17].
+
+        The user's codes are forced at the end of the call, not before it as ``lm_call``
+        forces: nothing the call reads is written by them.  User stream k's code of this frame
+        goes to position offset + delay_k >= offset; the call reads the model input at
+        offset - 1, the targets at offset of the text and agent streams only (the user
+        streams' targets feed nothing), and emits positions offset - max_delay + delay_k <
+        offset + delay_k.  So the codes need to exist only by the end of the call, and their
+        encoding (``encoded_on``: the stream it runs on) overlaps the model's work."""
         cfg = self.cfg
-        forced = torch.zeros(slots.shape[0], cfg.num_streams, dtype=torch.long, device=self.device)
-        mask = torch.zeros_like(forced, dtype=torch.bool)
         half = cfg.audio_codebooks
-        forced[:, 1 + half :] = user_codes
-        mask[:, 1 + half :] = True
-        return self.lm_call(slots, forced, mask, live=True)
+
+        def force_user_codes() -> None:
+            if encoded_on is not None:
+                torch.cuda.current_stream(self.device).wait_stream(encoded_on)
+            forced = torch.zeros(slots.shape[0], cfg.num_streams, dtype=torch.long, device=self.device)
+            mask = torch.zeros_like(forced, dtype=torch.bool)
+            forced[:, 1 + half :] = user_codes
+            mask[:, 1 + half :] = True
+            self.tokens.force(slots, forced, mask)
+
+        return self._model_call(slots, live=True, before_end=force_user_codes)
 
     def lm_call(
         self,
@@ -202,6 +234,14 @@ class EngineRuntime:
                 return None
             if bool((offsets == 0).any()):
                 raise RuntimeError("slots in different start-up phases cannot share a call")
+        return self._model_call(slots, embeddings, capture, live)
+
+    def _model_call(self, slots: torch.Tensor, embeddings: torch.Tensor | None = None,
+                    capture: list[torch.Tensor] | None = None, live: bool = False,
+                    before_end: Callable[[], None] | None = None) -> torch.Tensor | None:
+        """``lm_call`` once its frame is forced: the model's input and targets, the temporal
+        transformer, the text and audio samples, the end of the call.  ``before_end`` runs
+        just before the call's end (``step_tokens``' late forcing)."""
         model_input, target, target_forced = self.tokens.begin_call(slots)
         if embeddings is None:
             x = self.lm.embed_tokens(model_input.unsqueeze(1))
@@ -216,6 +256,8 @@ class EngineRuntime:
         steps = self.lm.depformer_steps
         audio = self.depformer_call(slots, hidden, text_in, target[:, 1 : 1 + steps], target_forced[:, 1 : 1 + steps])
         self.sampling.counter[slots] += 1
+        if before_end is not None:
+            before_end()
         out = self.tokens.end_call(slots, text, audio, live=live)
         self.clock.mark("depformer")
         return out

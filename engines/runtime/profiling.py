@@ -4,6 +4,9 @@
 synchronised until ``durations_ms`` is read, so timing does not change what it measures
 (beyond the events themselves).  ``host_mark(name)`` does the same with the host's clock,
 to see where wall time outside the GPU's goes.  Disabled, both are no-ops.
+
+``external``: the events become event-record nodes when a CUDA graph is captured (instead
+of dependencies inside it), so a captured tick reports its stages at every replay.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 class StageClock:
     def __init__(self) -> None:
         self.enabled = False
+        self.external = False
         self._marks: list[tuple[str, torch.cuda.Event]] = []
         self._host: list[tuple[str, float]] = []
 
@@ -38,7 +42,7 @@ class StageClock:
     def mark(self, name: str) -> None:
         if not self.enabled:
             return
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True, external=self.external)
         event.record()
         self._marks.append((name, event))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -88,6 +88,9 @@ class EngineOptions:
     # torch.compile the layer blocks, embeddings, sampling and fp8 writes (CUDA fast path:
     # far fewer kernels per tick; first use of each shape compiles, tens of seconds).
     compile: bool = False
+    # On CUDA, Mimi encodes the user's audio on a stream of its own beside the LM call
+    # (EngineRuntime.step_tokens: the call does not read those codes until its end).
+    overlap_encode: bool = True
 
     def __post_init__(self) -> None:
         if self.window not in WindowMode.ALL:
@@ -140,6 +143,8 @@ class PersonaPlexEngine(EngineRuntime):
             self.kv.compile_quantizer()
             self._noise = compile_dynamic(exponential_noise)
             self._sample_static = compile_dynamic(_sample_static, fullgraph=False)
+        if self.device.type == "cuda" and options.overlap_encode:
+            self.encode_stream = torch.cuda.Stream(self.device)
         self.graphs = None
         self.prefill_graphs = None
         if self.device.type == "cuda" and options.cuda_graphs:
@@ -305,13 +310,19 @@ class PersonaPlexEngine(EngineRuntime):
     def decode_agent(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         return self.mimi.decode_step_unchecked(slots, codes)
 
-    def sample(self, slots: torch.Tensor, stream: int, logits: torch.Tensor, text: bool) -> torch.Tensor:
+    def sampler(self, slots: torch.Tensor, text: bool) -> Callable[[int, torch.Tensor], torch.Tensor]:
         st = self.sampling
         if not self._static_sampling:
-            return st.sample(slots, stream, logits, text)
+            return super().sampler(slots, text)
+        # Gathered once: the depformer samples 8 streams with the same slots' settings, and
+        # each gather is a kernel of its own in the tick.
         batch = st.batch(slots, text)
-        noise = self._noise(st.seed[slots], st.counter[slots], self._salts[stream], logits.shape[-1])
-        return self._sample_static(logits, batch.temperature, batch.top_k, batch.greedy, noise)
+        seeds, counters = st.seed[slots], st.counter[slots]
+
+        def sample(stream: int, logits: torch.Tensor) -> torch.Tensor:
+            noise = self._noise(seeds, counters, self._salts[stream], logits.shape[-1])
+            return self._sample_static(logits, batch.temperature, batch.top_k, batch.greedy, noise)
+        return sample
 
     def prefill_stepwise(self, slot: int, spec: SessionSpec) -> None:
         """Run ``spec``'s system prompt frame by frame, as the reference does.

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from engines.config import WindowMode, kv_window_bytes
 from engines.fastpath.compiled import compile_dynamic
 from engines.fastpath import attention as gpu_attention
+from engines.fastpath import kv_write
 from engines.model.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
 
@@ -138,7 +139,12 @@ class SlotKVRing:
             # Streaming step on a GPU (the LM's 1 token, Mimi's 2): write the keys, then
             # read each slot's window in place instead of gathering it; each query is one
             # row of the kernel.
-            self._store(layer, plan.slot_idx, plan.ring_idx, k.transpose(1, 2), v.transpose(1, 2))
+            if self.fp8 and kv_write.available(q.device):  # one kernel for the whole write
+                kv_write.write_fp8(k.transpose(1, 2).reshape(B * T, H, D), v.transpose(1, 2).reshape(B * T, H, D),
+                                   self.keys[layer], self.values[layer], self.key_scales[layer],
+                                   self.value_scales[layer], plan.rows, plan.ring_idx.reshape(-1))
+            else:
+                self._store(layer, plan.slot_idx, plan.ring_idx, k.transpose(1, 2), v.transpose(1, 2))
             k_scale, v_scale = (self.key_scales[layer], self.value_scales[layer]) if self.fp8 else (None, None)
             out = gpu_attention.decode_attention_op(q.transpose(1, 2).reshape(B * T, H, D), self.keys[layer],
                                                     self.values[layer], plan.rows, plan.query_positions,

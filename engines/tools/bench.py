@@ -278,7 +278,8 @@ def git_revision() -> str:
 # default, or "fp8"), the weights ("fp8w": fp8 with the device's product; "fp8w-w8a16": fp8,
 # dequantized before a bf16 GEMM) and "compile".
 CONFIG_WORDS = {"bf16": ("kv_cache", "auto"), "fp8": ("kv_cache", "fp8"), "fp8w": ("weights", "auto"),
-                "fp8w-w8a16": ("weights", "w8a16"), "compile": ("compile", True)}
+                "fp8w-w8a16": ("weights", "w8a16"), "compile": ("compile", True),
+                "serial": ("overlap_encode", False)}
 
 
 @dataclass(frozen=True)
@@ -290,6 +291,7 @@ class BenchConfig:
     compile: bool
     weights: str = "auto"  # EngineOptions.weights
     fp8_matmul: str = "auto"  # EngineOptions.fp8_matmul, for fp8 weights
+    overlap_encode: bool = True  # EngineOptions.overlap_encode ("serial": False)
 
     @classmethod
     def parse(cls, text: str) -> "BenchConfig":
@@ -302,7 +304,8 @@ class BenchConfig:
             chosen[field] = value
         matmul = chosen.get("weights")
         return cls(text, chosen.get("kv_cache", "auto"), chosen.get("compile", False),
-                   weights="auto" if matmul is None else "fp8", fp8_matmul=matmul or "auto")
+                   weights="auto" if matmul is None else "fp8", fp8_matmul=matmul or "auto",
+                   overlap_encode=chosen.get("overlap_encode", True))
 
 
 # GPU memory kept free beside the sessions' windows: the 7B weights (~16 GB in bf16 with 8
@@ -325,7 +328,8 @@ def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Pat
     slots = slots_that_fit(LMConfig(), config, max(batch_sizes))
     engine = build_random_engine(slots, "cuda", tokenizer, steps=args.depformer_steps,
                                  cuda_graphs=not args.no_cuda_graphs, kv_cache=config.kv_cache,
-                                 compile=config.compile, weights=config.weights, fp8_matmul=config.fp8_matmul)
+                                 compile=config.compile, weights=config.weights, fp8_matmul=config.fp8_matmul,
+                                 overlap_encode=config.overlap_encode)
     weights_gb = engine.lm.weight_bytes() / 1e9
     log.info("%s: built a 7B-shaped engine with %d slots in %.1f s (LM weights %s)", config.name,
              slots, time.perf_counter() - t0, engine.lm.describe_weights())

@@ -1,0 +1,68 @@
+"""The fp8 KV cache's fused write (``engines.fastpath.kv_write``) against what the ring's own
+write does (``quantize_fp8`` + indexed stores): on a GPU bit for bit, into one layer's view of
+a multi-layer ring, from a call's transposed keys; on CPU through Triton's interpreter, whose
+float32 -> e4m3 conversion rounds some values wrongly (124.18 becomes 64, not 128: the
+mantissa's carry into the exponent is lost, which halves the value, 4 steps of e4m3's 3-bit
+mantissa), so there the scales must be exact (they also pin every write's location) and
+the values within those 4 steps.  The interpreter runs in a subprocess: it is chosen when Triton
+is imported."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from tests.triton_interpreter import worst_error_in_interpreter
+
+pytest.importorskip("triton")
+
+CASE = textwrap.dedent("""
+    import torch
+    from engines.fastpath import kv_write
+    from engines.model.fp8 import FP8_DTYPE, quantize_fp8
+
+    def check(device):
+        torch.manual_seed(0)
+        L, S, H, C, D, B, T = 3, 5, 4, 9, 32, 2, 2
+        keys = torch.zeros(L, S, H, C, D, dtype=FP8_DTYPE, device=device)
+        values = torch.zeros_like(keys)
+        scales = [torch.ones(L, S, H, C, device=device) for _ in range(2)]
+        want = [t.clone() for t in (keys, values, *scales)]
+        # Keys as the LM's projection leaves them: [B, H, T, D] views of [B, T, 3, H, D].
+        qkv = torch.randn(B, T, 3, H, D, device=device).to(torch.bfloat16).permute(2, 0, 3, 1, 4)
+        k, v = qkv[1] * 30, qkv[2]
+        slots = torch.tensor([3, 1], device=device)
+        ring = torch.tensor([[8, 0], [4, 5]], device=device)  # a call wrapping the ring
+        layer = 1
+        kv_write.write_fp8(k.transpose(1, 2).reshape(B * T, H, D), v.transpose(1, 2).reshape(B * T, H, D),
+                           keys[layer], values[layer], scales[0][layer], scales[1][layer],
+                           slots.repeat_interleave(T), ring.reshape(-1))
+        rows = slots.view(-1, 1).expand(B, T)
+        for data, scale, x in ((want[0], want[2], k), (want[1], want[3], v)):
+            q, s = quantize_fp8(x.transpose(1, 2))
+            data[layer][rows, :, ring] = q
+            scale[layer][rows, :, ring] = s
+        return [(got.float() - w.float()).abs() for got, w in zip((keys, values, *scales), want)], want
+""")
+
+
+def test_the_fused_fp8_write_stores_what_the_ring_stores_in_the_interpreter():
+    script = CASE + textwrap.dedent("""
+        errors, want = check("cpu")
+        assert errors[2].max() == 0 and errors[3].max() == 0  # the scales: exact
+        # The values, in e4m3 steps (1/8 of the value's power of two) of the right one.
+        steps = [(e / torch.clamp(2.0 ** (torch.floor(torch.log2(w.float().abs().clamp_min(2 ** -6))) - 3),
+                                  min=2.0 ** -9)).max().item() for e, w in zip(errors[:2], want[:2])]
+        print(max(steps))
+    """)
+    assert worst_error_in_interpreter(script) <= 4  # see the module's docstring
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_fused_fp8_write_stores_what_the_ring_stores_on_the_gpu():
+    namespace = {}
+    exec(CASE, namespace)
+    errors, _ = namespace["check"]("cuda")
+    assert all(e.max().item() == 0 for e in errors)
