@@ -45,6 +45,7 @@ SCRIPT = textwrap.dedent("""
     # Above GEMV_ROWS rows, or in float32, it is not taken.
     assert not fp8_gemv.available(torch.zeros(fp8_gemv.GEMV_ROWS + 1, 1, 8, dtype=torch.float16))
     assert not fp8_gemv.available(torch.zeros(1, 8, dtype=torch.float32))
+    assert not fp8_gemv.available(torch.zeros(0, 8, dtype=torch.float16))  # no rows: nothing to launch
     print(worst)
 """)
 

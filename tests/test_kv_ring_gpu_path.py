@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent("""
                         attention.available = lambda device, on=use_kernel: on
                         # Not the fused fp8 write: the interpreter rounds some values to e4m3
                         # wrongly (tests/test_kv_write.py); it is checked on the GPU.
-                        kv_write.available = lambda device: False
+                        kv_write.available = lambda device, head_dim: False
                         outs.append(ring.attend(1, slots, q, k, v, positions, lo))
                         ring.advance(slots, T)
                     worst = max(worst, (outs[0] - outs[1]).abs().max().item())

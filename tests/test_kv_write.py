@@ -66,3 +66,11 @@ def test_the_fused_fp8_write_stores_what_the_ring_stores_on_the_gpu():
     exec(CASE, namespace)
     errors, _ = namespace["check"]("cuda")
     assert all(e.max().item() == 0 for e in errors)
+
+
+def test_the_fused_write_is_taken_for_power_of_two_heads_on_a_gpu_only():
+    from engines.fastpath import kv_write
+
+    assert kv_write.available(torch.device("cuda"), 128) and kv_write.available(torch.device("cuda"), 64)
+    assert not kv_write.available(torch.device("cuda"), 96)  # one program holds one head's vector
+    assert not kv_write.available(torch.device("cpu"), 128)

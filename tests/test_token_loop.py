@@ -95,3 +95,30 @@ def test_forcing_the_user_codes_at_the_end_of_a_live_call_changes_nothing(engine
         assert torch.equal(engine.tokens.provided[late], engine.tokens.provided[early])
     engine.close_slot(late)
     engine.close_slot(early)
+
+
+def test_a_sixteen_step_depformer_is_teacher_forced_with_this_frames_user_codes(tiny_checkpoint):
+    """With the user side's depformer steps run too (the conformance setting), their targets
+    at the call's position are this frame's user codes, forced before the model call: the
+    first user codebook (delay 0) is teacher-forced in every live call."""
+    engine = PersonaPlexEngine.from_files(ckpt.locate(tiny_checkpoint), 1, EngineOptions(depformer_steps=16))
+    cfg = engine.cfg
+    half = cfg.audio_codebooks
+    seen = []
+    depformer_call = engine.depformer_call
+
+    def recording(slots, hidden, text, forced, forced_mask):
+        seen.append((forced.clone(), forced_mask.clone()))
+        return depformer_call(slots, hidden, text, forced, forced_mask)
+
+    engine.depformer_call = recording
+    slot = engine.open_slot(SessionSpec(sampling=SamplingParams(greedy=True)))
+    g = torch.Generator().manual_seed(6)
+    with torch.inference_mode():
+        for _ in range(4):
+            user = torch.randint(0, cfg.card, (1, half), generator=g)
+            engine.step_tokens(torch.tensor([slot]), user)
+            forced, mask = seen[-1]
+            first_user = half  # depformer step of stream 1 + half (delay 0)
+            assert bool(mask[0, first_user]) and int(forced[0, first_user]) == int(user[0, 0])
+    engine.close_slot(slot)

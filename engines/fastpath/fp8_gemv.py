@@ -115,7 +115,7 @@ def available(x: torch.Tensor) -> bool:
     if triton is None or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     rows = x.numel() // x.shape[-1]
-    return rows <= GEMV_ROWS and (x.is_cuda or _interpreted())
+    return 1 <= rows <= GEMV_ROWS and (x.is_cuda or _interpreted())
 
 
 def _interpreted() -> bool:
@@ -137,8 +137,8 @@ def launch(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_
     (the op's constants; ``engines.tools.bench_fp8_gemm`` sweeps them)."""
     M, K = rows.shape
     N = weight.shape[0]
-    if M > KERNEL_ROWS:
-        raise ValueError(f"the few-row fp8 kernel takes at most {KERNEL_ROWS} rows, got {M}")
+    if not 1 <= M <= KERNEL_ROWS:
+        raise ValueError(f"the few-row fp8 kernel takes 1 to {KERNEL_ROWS} rows, got {M}")
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     y = torch.empty(M, N, dtype=rows.dtype, device=rows.device)

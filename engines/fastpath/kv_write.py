@@ -3,7 +3,7 @@
 
 One kernel for what ``SlotKVRing._store`` otherwise does in six (two quantizations, four
 indexed writes) in every layer of every tick: at a few sessions those launches, not the
-bytes, are the cost.  Same numerics as ``model.fp8.quantize_fp8``: scale = amax / 448
+bytes, are the cost.  Same numerics as ``model.fp8.quantize_fp8`` (IEEE divisions): amax / 448
 (at least 1e-30), values divided by it, clamped, rounded to nearest e4m3.
 """
 
@@ -24,8 +24,10 @@ if triton is not None:
     @triton.jit
     def _quantize_store(x_ptr, data_ptr, scale_ptr, d, FP8_MAX: tl.constexpr):
         x = tl.load(x_ptr + d).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, 1e-30)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        # IEEE divisions (div_rn), as torch's: Triton's plain "/" on float32 is the
+        # approximate one, which moves a scale by an ulp now and then.
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), 1e-30)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX)
         tl.store(data_ptr + d, q.to(data_ptr.dtype.element_ty))
         tl.store(scale_ptr, scale)
 
@@ -46,8 +48,9 @@ if triton is not None:
         _quantize_store(V + r * stride_vr + h * stride_vh, VData + at, VScale + scale_at, d, FP8_MAX)
 
 
-def available(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
+def available(device: torch.device, head_dim: int) -> bool:
+    """A GPU, and a power-of-two head size (one program holds one head's vector)."""
+    return triton is not None and device.type == "cuda" and head_dim & (head_dim - 1) == 0
 
 
 def write_fp8(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_scales: torch.Tensor,

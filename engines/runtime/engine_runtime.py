@@ -191,11 +191,14 @@ class EngineRuntime:
 
         The user's codes are forced at the end of the call, not before it as ``lm_call``
         forces: nothing the call reads is written by them.  User stream k's code of this frame
-        goes to position offset + delay_k >= offset; the call reads the model input at
-        offset - 1, the targets at offset of the text and agent streams only (the user
-        streams' targets feed nothing), and emits positions offset - max_delay + delay_k <
-        offset + delay_k.  So the codes need to exist only by the end of the call, and their
-        encoding (``encoded_on``: the stream it runs on) overlaps the model's work."""
+        goes to position offset + delay_k; the call reads the model input at offset - 1 (a
+        different ring entry while delay_k <= RING - 2: the checkpoint's delays are 0 and 1),
+        the targets at offset of the text and agent streams only (the depformer's steps up to
+        ``audio_codebooks``), and emits positions offset - max_delay + delay_k < offset +
+        delay_k.  So the codes need to exist only by the end of the call, and their encoding
+        (``encoded_on``: the stream it runs on) overlaps the model's work.  A depformer that
+        runs the user side's steps too (``depformer_steps=16``, the conformance setting) reads
+        the user streams' targets as teacher forcing: there the codes are forced first."""
         cfg = self.cfg
         half = cfg.audio_codebooks
 
@@ -208,6 +211,9 @@ class EngineRuntime:
             mask[:, 1 + half :] = True
             self.tokens.force(slots, forced, mask)
 
+        if self.lm.depformer_steps > half:
+            force_user_codes()
+            return self._model_call(slots, live=True)
         return self._model_call(slots, live=True, before_end=force_user_codes)
 
     def lm_call(

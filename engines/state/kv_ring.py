@@ -139,7 +139,7 @@ class SlotKVRing:
             # Streaming step on a GPU (the LM's 1 token, Mimi's 2): write the keys, then
             # read each slot's window in place instead of gathering it; each query is one
             # row of the kernel.
-            if self.fp8 and kv_write.available(q.device):  # one kernel for the whole write
+            if self.fp8 and kv_write.available(q.device, D):  # one kernel for the whole write
                 kv_write.write_fp8(k.transpose(1, 2).reshape(B * T, H, D), v.transpose(1, 2).reshape(B * T, H, D),
                                    self.keys[layer], self.values[layer], self.key_scales[layer],
                                    self.value_scales[layer], plan.rows, plan.ring_idx.reshape(-1))
