@@ -39,7 +39,8 @@ def tick_buckets(requested: tuple[int, ...], num_slots: int, compiled: bool,
     its own (~14 s of every start at 7B shapes, from the cache or not), while with bf16
     weights one live slot padded to two costs about the same GPU time (cuBLAS reads the
     weights once either way).  fp8 weights' few-row product (``fastpath.fp8_gemv``) does
-    work per row: there a lone slot's own graph saves ~0.7 ms of every tick (H200)."""
+    work per row: there a lone slot's own graph saves ~0.6 ms of every tick (H200, summed from
+    the per-product times of one and two rows; not measured as a tick)."""
     buckets = {b for b in requested if b < num_slots} | {num_slots}
     if compiled and num_slots >= 2 and not lone_slot:
         buckets = (buckets - {1}) | {2}

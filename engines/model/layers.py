@@ -36,7 +36,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     ``scale``: ``weight`` is fp8 with one float32 scale per output channel
     (``model.fp8_weights``), multiplied as ``matmul`` says above ``fp8_gemv.GEMV_ROWS``
     rows; on a GPU, fewer rows read the fp8 weight directly (``fastpath.fp8_gemv``, W8A16
-    numerics) whichever ``matmul``: that regime is bound by the weight's bytes alone.
+    numerics) whichever ``matmul``: there the product does little besides reading the weight.
     """
     if scale is not None:
         if fp8_gemv.available(x):

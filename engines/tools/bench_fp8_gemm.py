@@ -12,7 +12,7 @@ compiled as in the engine's pieces: ``scaled_mm`` (per-row activation quantizati
 weight to pass the GPU's L2 cache (in the tick, ~8-15 GB of other weights come between two
 reads of one layer's), and the time is per product.  The effective bandwidth is the
 weight's bytes over the time.  ``--sweep`` also times the gemv kernel's configurations at
-M = 2 (a lone session's tick runs two rows) and reports the best per shape.  Prints a table
+M = 2 (the most rows ``layers.linear`` gives it) and reports the best per shape.  Prints a table
 and writes JSON.
 """
 
@@ -36,11 +36,11 @@ from engines.model.layers import scaled_mm_linear
 from engines.tools.bench import fp8_linear_shapes, git_revision
 from engines.tools.bench_attention import graphed_time
 
-# (block_n, block_k, num_warps, num_stages), kept to <= 64 float32 partial sums per lane at
-# two rows (the kernel holds rows x block_n x block_k of them).
-SWEEP = [(n, k, w, s) for n, k, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8), (1, 3))
-         if 2 * n * k <= 64 * 32 * w]
 SWEEP_ROWS = 2
+# (block_n, block_k, num_warps, num_stages), kept to <= 64 float32 partial sums per lane at
+# SWEEP_ROWS rows (the kernel holds rows x block_n x block_k of them).
+SWEEP = [(n, k, w, s) for n, k, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8), (1, 3))
+         if SWEEP_ROWS * n * k <= 64 * 32 * w]
 # Bytes of weight copies each timed graph cycles through: several times the L2 cache.
 ROTATION_BYTES = 256 << 20
 
