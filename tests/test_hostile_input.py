@@ -234,8 +234,9 @@ def test_a_very_long_persona_joins_without_pausing_a_live_session():
     session for the whole pass.  It now runs in pieces between ticks: with the persona limit
     raised so that the tiny model's prefill is long too (200,000 characters, ~80,000 prompt
     positions; in one piece such a pass takes over a minute here: 73 s for 50,000 positions,
-    measured), the witness's audio keeps its pace while the joiner is prepared (1.8 s, gaps
-    up to 0.13 s on the dev VM), and the joiner opens."""
+    measured), the witness's audio keeps its pace while the joiner is prepared (1.2-1.8 s, gaps
+    up to 0.12 s on the dev VM), and the joiner opens.  While the prompt's token plan was
+    computed whole in one piece, that piece alone paused the witness for 0.3-0.6 s here."""
     server = Server(max_sessions=2, silence_grace_s=0, workers=1, max_instructions_chars=200_000)
     try:
         async def scenario():

@@ -109,7 +109,7 @@ def time_pieces(engine, spec, torch) -> dict:
                       "first_run_total_ms": sum(runs[0]),
                       "first_piece_ms": last[0], "total_ms": sum(last)}
     out["persona_tokens"] = len(persona)
-    out["positions"] = (voice.embeddings.shape[0] if voice is not None else 0) + len(plan.inputs)
+    out["positions"] = (voice.embeddings.shape[0] if voice is not None else 0) + plan.length
     return out
 
 

@@ -9,6 +9,11 @@ against the grid in force (``due_at_s``): after a stall of over a frame the grid
 instead of bursting, which leaves every later frame late against the *original* plan by the
 stall; a stall (a co-tenant taking the CPU) is not a cost that grows with the stream.  The scripted server
 runs in its own process, so it does not share the driver's interpreter.
+
+The real-time gates (stream lag, output gap) are opened wide: they judge a server, and here they
+would judge the machine instead.  A shared CI machine once stalled both processes for ~1.5 s, so
+every session's longest output gap read ~1,480 ms against the 500 ms default while its send
+lateness slope was still what this test is about.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from .scripted_server import write_tone_wav
 SESSIONS = 64
 FRAMES = 3000
 EDGE = 300  # frames compared at the start and the end of the stream
+UNGATED_MS = 60_000  # the lag and gap gates, out of the way (see the module's docstring)
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -55,7 +61,8 @@ def test_send_lateness_stays_flat_over_3000_frames(scripted_server_process, tmp_
     code = main(["--model", "scripted", "--input-wav", str(wav), "--url", scripted_server_process,
                  "--output-dir", str(tmp_path / "out"), "--sessions", str(SESSIONS), "--processes", "1",
                  "--load-frames", str(FRAMES), "--tail-s", str(FRAMES * 0.08), "--drain-s", "0.5",
-                 "--timeout-s", "60", "-q"])
+                 "--timeout-s", "60", "--max-gap-ms", str(UNGATED_MS),
+                 "--max-stream-lag-ms", str(UNGATED_MS), "-q"])
     result = json.loads((tmp_path / "out" / "load-result.json").read_text())
     assert result["processes"] == 1 and result["passed_sessions"] == SESSIONS, \
         sorted({row["error"] for row in result["sessions"]} - {None})
