@@ -164,7 +164,7 @@ def test_capture_graphs_captures_every_bucket_up_front(tiny_checkpoint):
     capture (it took 14 s with compiled blocks on the H200 and tripped the watchdog)."""
     engine = PersonaPlexEngine.from_files(ckpt.locate(tiny_checkpoint), 6, EngineOptions(device="cuda"))
     engine.capture_graphs()
-    assert sorted(engine.graphs._graphs) == engine.graphs.buckets
+    assert sorted(engine.graphs._graphs) == [(b, greedy) for b in engine.graphs.buckets for greedy in (False, True)]
     assert tuple(sorted(engine.prefill_graphs._graphs)) == engine.prefill_graphs.buckets
 
 
@@ -195,3 +195,24 @@ def test_fp8_weights_on_the_gpu(tiny_checkpoint, frames, options):
         assert all(np.isfinite(p).all() for p in pcms) and texts[0][0] == 3
     auto = PersonaPlexEngine.from_files(files, 1, EngineOptions(device="cuda", weights="fp8"))
     assert auto.lm.fp8_matmul == ("scaled_mm" if capability >= (8, 9) else "w8a16")
+
+
+def test_an_all_greedy_tick_replays_the_argmax_graph_and_gives_the_same_tokens(tiny_checkpoint, frames, no_tf32):
+    """Ticks whose sessions are all greedy replay a graph that skips the sampler; their tokens
+    and audio are the sampling graph's, and a tick with one sampled session takes the other."""
+    files = ckpt.locate(tiny_checkpoint)
+    greedy_specs = SPECS[:2]
+    outputs = []
+    for greedy_ticks in (True, False):
+        engine = PersonaPlexEngine.from_files(files, 4, EngineOptions(device="cuda", lm_dtype="float32",
+                                                                      greedy_ticks=greedy_ticks))
+        slots = [engine.open_slot(s) for s in greedy_specs]
+        steps = [engine.step(slots, frames[:2, f]) for f in range(frames.shape[1])]
+        outputs.append([[out.text_id for out in step] for step in steps])
+        audio = np.concatenate([out.pcm for step in steps for out in step])
+        assert np.isfinite(audio).all()
+        assert sorted(engine.graphs._graphs) == [(2, greedy_ticks)]
+    assert outputs[0] == outputs[1]
+    engine = PersonaPlexEngine.from_files(files, 4, EngineOptions(device="cuda", lm_dtype="float32"))
+    run(engine, frames[:, :4])  # SPECS: two greedy sessions and a sampled one
+    assert sorted(engine.graphs._graphs) == [(4, False)]

@@ -1,4 +1,5 @@
-"""CUDA graphs of the live tick, one per batch bucket.
+"""CUDA graphs of the live tick, one per batch bucket (two with ``greedy_ticks``: one that
+samples, one for ticks whose sessions are all greedy, which takes the argmaxes only).
 
 A tick with B live slots replays the graph of the smallest bucket >= B; the unused rows
 point at the engine's scratch slot, whose state is throw-away (duplicate writes to it are
@@ -52,7 +53,8 @@ class TickGraphs:
         self.engine = engine
         self.buckets = tick_buckets(buckets, engine.num_slots, engine.options.compile,
                                     lone_slot=engine.lm.fp8_matmul is not None)
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[tuple[int, bool], _Graph] = {}  # by (bucket, greedy)
+        self.greedy_graphs = bool(engine.options.greedy_ticks)
         self._pool = torch.cuda.graph_pool_handle()
         # Pinned staging buffers: the per-tick uploads are true async copies, with no
         # allocation on the tick path.
@@ -73,23 +75,26 @@ class TickGraphs:
 
     def capture_all(self) -> None:
         """Capture every bucket now (at start-up) instead of on first use."""
-        for done, b in enumerate(self.buckets):
-            progress.report(progress.TICK_GRAPHS, f"{b} slots", done, len(self.buckets))
-            self._get(b)
+        kinds = [(b, greedy) for b in self.buckets for greedy in ((False, True) if self.greedy_graphs else (False,))]
+        for done, (b, greedy) in enumerate(kinds):
+            progress.report(progress.TICK_GRAPHS, f"{b} slots" + (", greedy" if greedy else ""), done, len(kinds))
+            self._get(b, greedy)
 
-    def _get(self, bucket: int) -> _Graph:
-        g = self._graphs.get(bucket)
+    def _get(self, bucket: int, greedy: bool = False) -> _Graph:
+        key = (bucket, greedy and self.greedy_graphs)
+        g = self._graphs.get(key)
         if g is None:
-            g = self._capture(bucket)
-            self._graphs[bucket] = g
+            g = self._capture(*key)
+            self._graphs[key] = g
         return g
 
-    def _capture(self, bucket: int) -> _Graph:
+    def _capture(self, bucket: int, greedy: bool) -> _Graph:
         engine = self.engine
         dev = engine.device
         slots = torch.full((bucket,), engine.scratch, device=dev, dtype=torch.long)
         pcm = torch.zeros(bucket, FRAME_SAMPLES, device=dev, dtype=torch.float32)
         clock_enabled, engine.clock.enabled = engine.clock.enabled, False
+        engine.greedy_tick = greedy
         try:
             with torch.inference_mode():
                 # Warm-up on a side stream (lazy initialisations must not be captured);
@@ -108,13 +113,15 @@ class TickGraphs:
                     out_pcm, out_text = engine.live_tick(slots, pcm)
         finally:
             engine.clock.enabled = clock_enabled
-        log.info("captured the tick graph for %d slots", bucket)
+            engine.greedy_tick = False
+        log.info("captured the %stick graph for %d slots", "greedy " if greedy else "", bucket)
         return _Graph(graph, slots, pcm, out_pcm, out_text)
 
-    def run(self, slots: list[int], pcm: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    def run(self, slots: list[int], pcm: np.ndarray, greedy: bool = False) -> tuple[np.ndarray, list[int]]:
+        """One tick of ``slots``; ``greedy``: every one of them is greedy (the argmax graph)."""
         B = len(slots)
         clock = self.engine.clock
-        g = self._get(self.bucket_for(B))
+        g = self._get(self.bucket_for(B), greedy)
         bucket = g.slots.shape[0]
         host_slots, host_pcm = self._host_slots[:bucket], self._host_pcm[:bucket]
         ids, samples = host_slots.numpy(), host_pcm.numpy()  # numpy views: no torch calls

@@ -91,6 +91,10 @@ class EngineOptions:
     # On CUDA, Mimi encodes the user's audio on a stream of its own beside the LM call
     # (EngineRuntime.step_tokens: the call does not read those codes until its end).
     overlap_encode: bool = True
+    # A tick whose sessions are all greedy takes the argmaxes only, skipping the sampler's
+    # noise, softmax and static top-k (a sort of 2048 per stream); with CUDA graphs each batch
+    # bucket gets a second graph for it, chosen from host state per tick.
+    greedy_ticks: bool = True
 
     def __post_init__(self) -> None:
         if self.window not in WindowMode.ALL:
@@ -137,6 +141,8 @@ class PersonaPlexEngine(EngineRuntime):
         self._sample_static = _sample_static
         # Per-stream hash salts as device scalars: a graph-safe, compile-friendly argument.
         self._salts = torch.tensor([stream_salt(k) for k in range(cfg.num_streams)], device=self.device)
+        # Set for the length of a tick (or a graph's capture) whose every row is greedy.
+        self.greedy_tick = False
         if options.compile:
             lm.compile_blocks()
             mimi.compile_steps()
@@ -290,9 +296,14 @@ class PersonaPlexEngine(EngineRuntime):
             self.prefill_graphs.capture_all()
 
     def run_tick(self, slots: Sequence[int], pcm: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        greedy = self.options.greedy_ticks and self.sampling.all_greedy(slots)
         if self.graphs is not None:
-            return self.graphs.run(list(slots), pcm)
-        return super().run_tick(slots, pcm)
+            return self.graphs.run(list(slots), pcm, greedy)
+        self.greedy_tick = greedy
+        try:
+            return super().run_tick(slots, pcm)
+        finally:
+            self.greedy_tick = False
 
     def temporal_call(self, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.lm.temporal(slots, x, self.kv, self.options.window)[:, 0]
@@ -311,6 +322,8 @@ class PersonaPlexEngine(EngineRuntime):
         return self.mimi.decode_step_unchecked(slots, codes)
 
     def sampler(self, slots: torch.Tensor, text: bool) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        if self.greedy_tick:  # what sample_tokens gives a greedy row, without the sampler's work
+            return lambda stream, logits: torch.argmax(logits, dim=-1)
         st = self.sampling
         if not self._static_sampling:
             return super().sampler(slots, text)

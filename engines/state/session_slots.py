@@ -82,6 +82,9 @@ class SlotSampling:
         self.topk_text = torch.ones(num_slots, **i64)
         self.topk_audio = torch.ones(num_slots, **i64)
         self.greedy = torch.ones(num_slots, device=device, dtype=torch.bool)
+        # On the host too: whether every stream of a slot is greedy (its flag, or both
+        # temperatures <= 0) picks a tick that only takes argmaxes, with no device read.
+        self.greedy_host = np.ones(num_slots, dtype=bool)
         self.seed = torch.zeros(num_slots, **i64)
         self.counter = torch.zeros(num_slots, **i64)
 
@@ -93,9 +96,14 @@ class SlotSampling:
         self.topk_text[slot] = min(s.topk_text, STATIC_TOP_K)
         self.topk_audio[slot] = min(s.topk_audio, STATIC_TOP_K)
         self.greedy[slot] = s.greedy
+        self.greedy_host[slot] = s.greedy or (s.temp_text <= 0 and s.temp_audio <= 0)
         seed = spec.seed if spec.seed is not None else secrets.randbits(62)
         self.seed[slot] = int(seed) & ((1 << 63) - 1)
         self.counter[slot] = 0
+
+    def all_greedy(self, slots: Sequence[int]) -> bool:
+        """Whether every stream of every one of ``slots`` is greedy (host state only)."""
+        return bool(self.greedy_host[np.asarray(slots, dtype=np.int64)].all())
 
     def batch(self, slots: torch.Tensor, text: bool) -> SamplingBatch:
         """The settings of ``slots`` for a text (``text``) or audio stream."""

@@ -63,10 +63,15 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q, method="linear"))
 
 
+# The sessions the ticks are timed with: greedy, as the baseline's LMGen decodes; or sampling
+# with the server's defaults (top-k from the softmax with hash noise: ``--sampled-batch-sizes``).
+GREEDY_SESSION = SessionSpec(sampling=SamplingParams(greedy=True), seed=0)
+SAMPLED_SESSION = SessionSpec(seed=0)
+
+
 def bench_ours(engine: PersonaPlexEngine, batch_sizes: list[int], ticks: int, warmup: int,
-               prefill: Prefill, speech: np.ndarray) -> list[dict]:
+               prefill: Prefill, speech: np.ndarray, spec: SessionSpec = GREEDY_SESSION) -> list[dict]:
     results = []
-    spec = SessionSpec(sampling=SamplingParams(greedy=True), seed=0)
     for B in batch_sizes:
         for slot in engine.open_slots():
             engine.close_slot(slot)
@@ -343,6 +348,10 @@ def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Pat
     out["ours"] = bench_ours(engine, fitting, args.ticks, args.warmup, full_window_prefill(engine, base), speech)
     out["ours"] += [{"batch": b, "error": f"does not fit: {slots} slots of full windows fit"}
                     for b in batch_sizes if b > slots]
+    sampled = [b for b in args.sampled_batch_sizes if b <= slots]
+    if sampled:
+        out["ours_sampled"] = bench_ours(engine, sampled, args.ticks, args.warmup, full_window_prefill(engine, base),
+                                         speech, SAMPLED_SESSION)
     # The tick graphs refer back to the engine (a cycle): collect it before the next config.
     del engine, base
     gc.collect()
@@ -366,6 +375,9 @@ def print_table(report: dict) -> None:
             print(f"{r['batch']:>4} {r['tick_ms_p50']:>9.2f} {r['tick_ms_p99']:>9.2f} "
                   f"{(b['tick_ms_p50'] if b else float('nan')):>9.2f} {(b['tick_ms_p99'] if b else float('nan')):>9.2f} "
                   f"{ratio:>6} {r['peak_memory_gb']:>7.1f}")
+        for r in result.get("ours_sampled", []):
+            if "error" not in r:
+                print(f"{r['batch']:>4} sampling sessions: p50 {r['tick_ms_p50']:.2f} ms, p99 {r['tick_ms_p99']:.2f} ms")
     if "fp8_error" in report:
         print(f"fp8 KV attention error at 7B shapes: {report['fp8_error']}")
     for layer, errors in report.get("fp8_weight_error", {}).get("layers", {}).items():
@@ -387,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depformer-steps", type=int, choices=(8, 16), default=8)
     parser.add_argument("--baseline", action="store_true", help="also run the upstream moshi package (must be importable)")
     parser.add_argument("--baseline-batch-sizes", default=None, help="B values for the baseline (default: --batch-sizes)")
+    parser.add_argument("--sampled-batch-sizes", default="",
+                        help="B values timed a second time with sessions that sample (the server's default "
+                             "settings) instead of greedy ones, whose ticks skip the sampler (default: none)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run ticks eagerly (gives the per-stage split; graphed ticks report the whole tick)")
     parser.add_argument("--speech", default=None, help="24 kHz speech WAV fed as user audio (default: synthetic)")
@@ -397,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         configs = [BenchConfig.parse(c.strip()) for c in args.configs.split(",") if c.strip()]
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
         base_sizes = [int(b) for b in args.baseline_batch_sizes.split(",")] if args.baseline_batch_sizes else batch_sizes
+        args.sampled_batch_sizes = [int(b) for b in args.sampled_batch_sizes.split(",") if b.strip()]
     except ValueError as exc:
         parser.error(str(exc))
     if not torch.cuda.is_available():

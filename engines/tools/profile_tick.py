@@ -1,6 +1,6 @@
 """Where a graphed tick spends its GPU time: kernel totals from the PyTorch profiler.
 
-    python -m engines.tools.profile_tick --batch 64 [--ticks 20] [--config fp8+compile] [--output F.txt]
+    python -m engines.tools.profile_tick --batch 64 [--ticks 20] [--config fp8+compile] [--sampled] [--output F.txt]
     python -m engines.tools.profile_tick --prefill --batch 1 [--config ...]
 
 Builds the 7B-shaped random engine of ``engines.tools.bench`` with full windows, replays the
@@ -21,9 +21,8 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engines.tools.bench import BenchConfig, full_window_prefill, typical_voice
+from engines.tools.bench import GREEDY_SESSION, SAMPLED_SESSION, BenchConfig, full_window_prefill, typical_voice
 from engines.checkpoints.random_model import build_random_engine
-from engines.interface import SamplingParams, SessionSpec
 from engines.model.prefill import build_prefill
 from engines.checkpoints.tiny import train_tokenizer
 
@@ -36,6 +35,9 @@ def main() -> None:
     parser.add_argument("--config", default="bf16", help="engine variant, as engines.tools.bench --configs (default bf16)")
     parser.add_argument("--output", default=None, help="also write the table to this file")
     parser.add_argument("--prefill", action="store_true", help="profile a cold voice + persona prefill instead")
+    parser.add_argument("--sampled", action="store_true",
+                        help="sessions that sample (the server's defaults) instead of greedy ones, whose ticks "
+                             "skip the sampler")
     args = parser.parse_args()
     config = BenchConfig.parse(args.config)
     tok = Path(tempfile.mkdtemp()) / "tok.model"
@@ -55,13 +57,13 @@ def main() -> None:
                               engine.options.prefill_chunk, engine.prefill_graphs)
         label = f"prefill (60-frame voice + 100-token persona) {config.name}"
     else:
-        spec = SessionSpec(sampling=SamplingParams(greedy=True))
+        spec = SAMPLED_SESSION if args.sampled else GREEDY_SESSION
         slots = [engine.open_slot(spec, prefill=prefill) for _ in range(args.batch)]
         pcm = np.zeros((args.batch, 1920), np.float32)
 
         def run_once() -> None:
             engine.step(slots, pcm)
-        label = f"B={args.batch} {config.name} tick"
+        label = f"B={args.batch} {config.name} tick, {'sampling' if args.sampled else 'greedy'} sessions"
     for _ in range(5):
         run_once()
     torch.cuda.synchronize()
@@ -103,6 +105,7 @@ def stage_times(engine, slots: list[int], ticks: int) -> list[dict[str, float]]:
     pcm = torch.zeros(bucket, 1920, device=engine.device)
     clock = engine.clock
     clock.enabled, clock.external = True, True
+    engine.greedy_tick = engine.options.greedy_ticks and engine.sampling.all_greedy(slots)  # as run_tick picks
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode():
@@ -118,6 +121,7 @@ def stage_times(engine, slots: list[int], ticks: int) -> list[dict[str, float]]:
         return out
     finally:
         clock.enabled, clock.external = False, False
+        engine.greedy_tick = False
 
 
 if __name__ == "__main__":

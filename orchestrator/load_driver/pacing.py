@@ -52,14 +52,16 @@ async def send_paced(
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     max_frames: int | None = None,
     dues: list[float] | None = None,
+    period: float = wire.FRAME_PERIOD_S,
 ) -> int:
     """Send the encoded ``frames`` one by one from ``start``; appends ``(planned, started,
     completed)`` to ``sends`` as it goes (so a failure mid-stream keeps the timeline).
     ``before_send`` may raise to stop (e.g. the server reported an error); it must be cheap,
     since it runs before every frame.  ``dues``, if given, gets each frame's time on the grid in
     force (after restarts), so that a send's own delay can be told from an earlier stall's
-    lasting offset.  Returns the frames sent."""
-    grid = PacingGrid(start)
+    lasting offset.  ``period``: the grid's step (the model's frame; tests may run faster).
+    Returns the frames sent."""
+    grid = PacingGrid(start, period)
     total = len(frames)
     if max_frames:
         total = min(total, max_frames)
