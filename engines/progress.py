@@ -1,6 +1,6 @@
 """Where an engine's start-up is: the phase it is in and how far along, for ``/ready`` and
 ``/health`` while a model loads (a 7B start takes minutes: download, weights, compilation,
-one CUDA graph per batch bucket).
+two CUDA graphs per batch bucket).
 
 Code on the loading path calls ``report(...)``; whoever loads the engine listens for the
 reports of its own thread (``listening``), so engines loading at once on several threads
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 CHECKPOINT = "checkpoint"  # finding or downloading the files
 WEIGHTS = "weights"  # reading them onto the device
 WARM_UP = "warm-up"  # the first frames through a throwaway slot (prefill, compilation)
-TICK_GRAPHS = "tick graphs"  # one CUDA graph per batch bucket
+TICK_GRAPHS = "tick graphs"  # two CUDA graphs per batch bucket (sampling, all greedy)
 
 
 @dataclass(frozen=True)

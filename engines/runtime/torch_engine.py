@@ -286,7 +286,7 @@ class PersonaPlexEngine(EngineRuntime):
         return {"embeddings": embeddings, "cache": cache.unsqueeze(0).cpu()}
 
     def capture_graphs(self) -> None:
-        """Capture the tick graph of every batch bucket, the prefill graph of every prompt
+        """Capture the tick graphs of every batch bucket (sampling, and all greedy), the prefill graph of every prompt
         bucket and the split prefill's piece graph now (start-up), not on first use.  (No
         split pass of the server runs eagerly: one that finds the piece graph held waits for
         it, ``prepare_in_pieces``.)"""
