@@ -54,7 +54,6 @@ class TickGraphs:
         self.buckets = tick_buckets(buckets, engine.num_slots, engine.options.compile,
                                     lone_slot=engine.lm.fp8_matmul is not None)
         self._graphs: dict[tuple[int, bool], _Graph] = {}  # by (bucket, greedy)
-        self.greedy_graphs = bool(engine.options.greedy_ticks)
         self._pool = torch.cuda.graph_pool_handle()
         # Pinned staging buffers: the per-tick uploads are true async copies, with no
         # allocation on the tick path.
@@ -75,13 +74,14 @@ class TickGraphs:
 
     def capture_all(self) -> None:
         """Capture every bucket now (at start-up) instead of on first use."""
-        kinds = [(b, greedy) for b in self.buckets for greedy in ((False, True) if self.greedy_graphs else (False,))]
+        kinds = [(b, greedy) for b in self.buckets
+                 for greedy in ((False, True) if self.engine.options.greedy_ticks else (False,))]
         for done, (b, greedy) in enumerate(kinds):
             progress.report(progress.TICK_GRAPHS, f"{b} slots" + (", greedy" if greedy else ""), done, len(kinds))
             self._get(b, greedy)
 
     def _get(self, bucket: int, greedy: bool = False) -> _Graph:
-        key = (bucket, greedy and self.greedy_graphs)
+        key = (bucket, greedy)
         g = self._graphs.get(key)
         if g is None:
             g = self._capture(*key)

@@ -286,8 +286,9 @@ class PersonaPlexEngine(EngineRuntime):
         return {"embeddings": embeddings, "cache": cache.unsqueeze(0).cpu()}
 
     def capture_graphs(self) -> None:
-        """Capture the tick graphs of every batch bucket (sampling, and all greedy), the prefill graph of every prompt
-        bucket and the split prefill's piece graph now (start-up), not on first use.  (No
+        """Capture the tick graphs of every batch bucket (sampling, and all greedy), the
+        prefill graph of every prompt bucket and the split prefill's piece graph now
+        (start-up), not on first use.  (No
         split pass of the server runs eagerly: one that finds the piece graph held waits for
         it, ``prepare_in_pieces``.)"""
         if self.graphs is not None:
@@ -295,8 +296,12 @@ class PersonaPlexEngine(EngineRuntime):
         if self.prefill_graphs is not None:
             self.prefill_graphs.capture_all()
 
+    def greedy_tick_for(self, slots: Sequence[int]) -> bool:
+        """Whether a tick of ``slots`` takes the argmaxes only (``EngineOptions.greedy_ticks``)."""
+        return self.options.greedy_ticks and self.sampling.all_greedy(slots)
+
     def run_tick(self, slots: Sequence[int], pcm: np.ndarray) -> tuple[np.ndarray, list[int]]:
-        greedy = self.options.greedy_ticks and self.sampling.all_greedy(slots)
+        greedy = self.greedy_tick_for(slots)
         if self.graphs is not None:
             return self.graphs.run(list(slots), pcm, greedy)
         self.greedy_tick = greedy

@@ -105,7 +105,7 @@ def stage_times(engine, slots: list[int], ticks: int) -> list[dict[str, float]]:
     pcm = torch.zeros(bucket, 1920, device=engine.device)
     clock = engine.clock
     clock.enabled, clock.external = True, True
-    engine.greedy_tick = engine.options.greedy_ticks and engine.sampling.all_greedy(slots)  # as run_tick picks
+    engine.greedy_tick = engine.greedy_tick_for(slots)  # the graph run_tick would replay
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode():
