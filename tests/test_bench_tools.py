@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engines.tools import bench_plot
-from engines.tools.bench import BenchConfig
+from engines.tools.bench import WALL, BenchConfig, main, parse_batch_sizes
 
 RESULT = Path(__file__).resolve().parents[1] / "docs" / "results" / "2026-12-01-h200-bench-fp8-compile.json"
 
@@ -21,6 +21,17 @@ def test_bench_configs_parse_and_reject_unknown_variants():
     for bad in ("fp16", "bf16+fast", "fp8+compile+x", "bf16+fp8", "fp8w+fp8w-w8a16", "compile+compile", ""):
         with pytest.raises(ValueError, match="bad config"):
             BenchConfig.parse(bad)
+
+
+def test_batch_sizes_parse_with_the_memory_wall_and_reject_bad_values(capsys):
+    assert parse_batch_sizes("1,8, 128") == [1, 8, 128]
+    assert parse_batch_sizes("1,wall,") == [1, WALL]
+    for bad in ("0,8", "-1", "", "1,x", "1.5"):
+        with pytest.raises(ValueError, match="bad --batch-sizes"):
+            parse_batch_sizes(bad)
+    with pytest.raises(SystemExit):
+        main(["--batch-sizes", "1,all", "--output", "x.json"])
+    assert "bad --batch-sizes '1,all'" in capsys.readouterr().err
 
 
 def test_plot_of_a_recorded_report(tmp_path):

@@ -1,5 +1,6 @@
 """The fp8 KV cache's fused write (``engines.fastpath.kv_write``) against what the ring's own
-write does (``quantize_fp8`` + indexed stores): on a GPU bit for bit, into one layer's view of
+write does (``quantize_fp8`` + indexed stores): on a GPU bit for bit but for an ulp of a scale
+now and then (torch's own division there is inexact, see the test), into one layer's view of
 a multi-layer ring, from a call's transposed keys; on CPU through Triton's interpreter, whose
 float32 -> e4m3 conversion rounds some values wrongly (124.18 becomes 64, not 128: the
 mantissa's carry into the exponent is lost, which halves the value, 4 steps of e4m3's 3-bit
@@ -64,8 +65,13 @@ def test_the_fused_fp8_write_stores_what_the_ring_stores_in_the_interpreter():
 def test_the_fused_fp8_write_stores_what_the_ring_stores_on_the_gpu():
     namespace = {}
     exec(CASE, namespace)
-    errors, _ = namespace["check"]("cuda")
-    assert all(e.max().item() == 0 for e in errors)
+    errors, want = namespace["check"]("cuda")
+    assert errors[0].max().item() == 0 and errors[1].max().item() == 0  # the fp8 values: bit for bit
+    # The scales within one float32 ulp: the kernel divides amax by 448 exactly (as the CPU
+    # ring does), torch's CUDA division by a Python number multiplies by its reciprocal
+    # (H200, 2026-12-04: 18 of 1,080 scales one ulp apart, none further).
+    for error, scale in zip(errors[2:], want[2:]):
+        assert (error <= torch.abs(torch.nextafter(scale, scale * 2) - scale)).all(), error.max()
 
 
 def test_the_fused_write_is_taken_for_power_of_two_heads_on_a_gpu_only():

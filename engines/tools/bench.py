@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch._dynamo
 
 from engines.config import FRAME_SAMPLES, LMConfig
 from engines.runtime.torch_engine import PersonaPlexEngine
@@ -77,9 +78,10 @@ def bench_ours(engine: PersonaPlexEngine, batch_sizes: list[int], ticks: int, wa
             engine.close_slot(slot)
         try:
             results.append(_bench_one(engine, B, spec, ticks, warmup, prefill, speech))
-        except torch.cuda.OutOfMemoryError:
-            log.warning("ours B=%d: out of GPU memory", B)
-            results.append({"batch": B, "error": "out of memory"})
+        except torch.cuda.OutOfMemoryError as exc:
+            # torch's message says how much was asked for, free, held by tensors and reserved.
+            log.warning("ours B=%d: out of GPU memory: %s", B, str(exc).splitlines()[0])
+            results.append({"batch": B, "error": f"out of memory: {str(exc).splitlines()[0]}"})
     for slot in engine.open_slots():
         engine.close_slot(slot)
     return results
@@ -116,6 +118,10 @@ def _bench_one(engine: PersonaPlexEngine, B: int, spec: SessionSpec, ticks: int,
         "host_ms_p50": {k: _percentile(v, 50) for k, v in host.items()},
         "host_ms_p99": {k: _percentile(v, 99) for k, v in host.items()},
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+        # What the allocator held at its peak, and what was left of the device: the headroom
+        # that says how far the memory wall is from this B.
+        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+        "device_free_gb": torch.cuda.mem_get_info()[0] / 1e9,
         "ticks": len(totals),
     }
     log.info("ours B=%d: tick p50 %.2f ms p99 %.2f ms %s", B, row["tick_ms_p50"], row["tick_ms_p99"],
@@ -262,7 +268,11 @@ def _baseline_one(lm, mimi, B: int, ticks: int, warmup: int, speech: np.ndarray)
             if t >= warmup:
                 totals.append((time.perf_counter() - t0) * 1e3)
     row = {"batch": B, "tick_ms_p50": _percentile(totals, 50), "tick_ms_p99": _percentile(totals, 99),
-           "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "ticks": len(totals)}
+           "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+        # What the allocator held at its peak, and what was left of the device: the headroom
+        # that says how far the memory wall is from this B.
+        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+        "device_free_gb": torch.cuda.mem_get_info()[0] / 1e9, "ticks": len(totals)}
     log.info("baseline B=%d: tick p50 %.2f ms p99 %.2f ms", B, row["tick_ms_p50"], row["tick_ms_p99"])
     return row
 
@@ -314,8 +324,12 @@ class BenchConfig:
 
 
 # GPU memory kept free beside the sessions' windows: the 7B weights (~16 GB in bf16 with 8
-# depformer steps, ~8.5 GB in fp8) and ~8 GB of activations, graphs and allocator slack.
-RESERVE_GB = {"auto": 24.0, "fp8": 16.5}
+# depformer steps, ~8.5 GB in fp8) and 14 GB for the rest.  The rest measured 9.9 GB at
+# B = 144 (H200, 2026-12-03: peak 142.9 GB less 15.4 GB of LM weights and 145 fp8 windows):
+# Mimi's and the token ring's per-slot state, activations, graph pools, the bounded prefill
+# cache.  With 8 GB for it, the engine sized to the wall ran out of memory at its first tick
+# (2026-12-04).
+RESERVE_GB = {"auto": 30.0, "fp8": 22.5}
 
 
 def slots_that_fit(cfg: LMConfig, config: BenchConfig, wanted: int) -> int:
@@ -324,13 +338,26 @@ def slots_that_fit(cfg: LMConfig, config: BenchConfig, wanted: int) -> int:
 
     per_slot = kv_bytes_per_slot(cfg.num_layers, cfg.num_heads, cfg.context, cfg.head_dim, torch.bfloat16,
                                  fp8=config.kv_cache == "fp8")
+    torch.cuda.empty_cache()  # blocks the allocator keeps but no tensor holds are free
     free, _ = torch.cuda.mem_get_info()
     return max(1, min(wanted, int((free - RESERVE_GB[config.weights] * 1e9) // per_slot) - 1))
 
 
+# ``--batch-sizes wall``: as many sessions as there are slots of full windows (the memory wall).
+WALL = -1
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    items = [b.strip() for b in text.split(",") if b.strip()]
+    if not items or not all(b == "wall" or (b.isdigit() and int(b) >= 1) for b in items):
+        raise ValueError(f"bad --batch-sizes {text!r}: expected positive integers or 'wall', comma-separated")
+    return [WALL if b == "wall" else int(b) for b in items]
+
+
 def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Path, speech: np.ndarray) -> dict:
     t0 = time.perf_counter()
-    slots = slots_that_fit(LMConfig(), config, max(batch_sizes))
+    slots = slots_that_fit(LMConfig(), config, 1 << 20 if WALL in batch_sizes else max(batch_sizes))
+    batch_sizes = sorted({slots if b == WALL else b for b in batch_sizes})
     engine = build_random_engine(slots, "cuda", tokenizer, steps=args.depformer_steps,
                                  cuda_graphs=not args.no_cuda_graphs, kv_cache=config.kv_cache,
                                  compile=config.compile, weights=config.weights, fp8_matmul=config.fp8_matmul,
@@ -356,6 +383,11 @@ def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Pat
     del engine, base, prefill
     gc.collect()
     torch.cuda.empty_cache()
+    # And drop the compiled functions' variants: the next config's engine (other weights)
+    # compiles its own anyway, and dynamo's search for why the old variants' guards failed
+    # raised inside itself (TypeError: 'NoneType' object is not subscriptable, H200, torch 2.11,
+    # 2026-12-04: the bf16-weight engine after the fp8-weight one, at its first tick).
+    torch._dynamo.reset()
     return out
 
 
@@ -387,7 +419,9 @@ def print_table(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engines.tools.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-sizes", default="1,8,32,64", help="comma-separated B values (default 1,8,32,64)")
+    parser.add_argument("--batch-sizes", default="1,8,32,64",
+                        help="comma-separated B values (default 1,8,32,64); 'wall' is the most slots of full "
+                             "windows that fit in the GPU's memory beside that config's weights")
     parser.add_argument("--configs", default="bf16",
                         help="comma-separated engine variants, each words joined by '+': bf16 (default) or fp8 "
                              "for the KV cache; fp8w for fp8 weights with the GPU's fp8 GEMMs, fp8w-w8a16 for fp8 "
@@ -407,11 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speech", default=None, help="24 kHz speech WAV fed as user audio (default: synthetic)")
     parser.add_argument("--output", required=True, help="JSON file to write (rewritten after each section)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    # Timestamps: a device call's log tells where its minutes went (compilation, captures).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
         configs = [BenchConfig.parse(c.strip()) for c in args.configs.split(",") if c.strip()]
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-        base_sizes = [int(b) for b in args.baseline_batch_sizes.split(",")] if args.baseline_batch_sizes else batch_sizes
+        batch_sizes = parse_batch_sizes(args.batch_sizes)
+        base_sizes = [int(b) for b in args.baseline_batch_sizes.split(",")] if args.baseline_batch_sizes else \
+            [b for b in batch_sizes if b != WALL]
         args.sampled_batch_sizes = [int(b) for b in args.sampled_batch_sizes.split(",") if b.strip()]
     except ValueError as exc:
         parser.error(str(exc))
