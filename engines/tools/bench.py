@@ -269,10 +269,8 @@ def _baseline_one(lm, mimi, B: int, ticks: int, warmup: int, speech: np.ndarray)
                 totals.append((time.perf_counter() - t0) * 1e3)
     row = {"batch": B, "tick_ms_p50": _percentile(totals, 50), "tick_ms_p99": _percentile(totals, 99),
            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
-        # What the allocator held at its peak, and what was left of the device: the headroom
-        # that says how far the memory wall is from this B.
-        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
-        "device_free_gb": torch.cuda.mem_get_info()[0] / 1e9, "ticks": len(totals)}
+           "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+           "device_free_gb": torch.cuda.mem_get_info()[0] / 1e9, "ticks": len(totals)}
     log.info("baseline B=%d: tick p50 %.2f ms p99 %.2f ms", B, row["tick_ms_p50"], row["tick_ms_p99"])
     return row
 
