@@ -80,8 +80,9 @@ def bench_ours(engine: PersonaPlexEngine, batch_sizes: list[int], ticks: int, wa
             results.append(_bench_one(engine, B, spec, ticks, warmup, prefill, speech))
         except torch.cuda.OutOfMemoryError as exc:
             # torch's message says how much was asked for, free, held by tensors and reserved.
-            log.warning("ours B=%d: out of GPU memory: %s", B, str(exc).splitlines()[0])
-            results.append({"batch": B, "error": f"out of memory: {str(exc).splitlines()[0]}"})
+            error = f"out of memory: {str(exc).splitlines()[0]}"
+            log.warning("ours B=%d: %s", B, error)
+            results.append({"batch": B, "error": error})
     for slot in engine.open_slots():
         engine.close_slot(slot)
     return results
