@@ -79,6 +79,11 @@ REFERENCE_SESSION = {
 }
 
 
+# Every server started in this test process, in order: a failing test's report shows the logs
+# of the servers it started (``conftest.pytest_runtest_makereport``).
+STARTED: list["Server"] = []
+
+
 class Server:
     """``python -m hypercorn orchestrator:app`` on 127.0.0.1 (or ``host``), port chosen by the
     OS; clients always connect through 127.0.0.1."""
@@ -92,6 +97,7 @@ class Server:
         env.update({f"PERSONAPLEX_{k.upper()}": str(v) for k, v in settings.items()})
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         self.log: deque[str] = deque(maxlen=5000)
+        STARTED.append(self)
         module = {"hypercorn": "hypercorn", "personaplex": "orchestrator.serve"}[launcher]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "orchestrator:app", "--bind", f"{host}:0", "--graceful-timeout", "2",
