@@ -13,9 +13,10 @@ from our model code (engines/model/lm.py), so it checks the conversion independe
 - attention: softmax(q k^T / sqrt(head_size)), causal, at most ``window`` keys (cyclic KV);
 - ``ln_f`` then ``lm_head``.
 
-``PagedExecutor`` runs ``EngineCall``s the way the engine does: KV in a paged pool addressed
-through ``kv_cache_block_offsets``, a ring of ``window`` positions per sequence, per-token
-tasks, context (type 0) and generation (type 1) requests, last-token logits per sequence.
+``PagedExecutor`` runs engine calls the way the engine does, from the inputs the runtime's
+own ``EngineBindings._bindings`` builds for them: KV in a paged pool addressed through
+``kv_cache_block_offsets``, a ring of ``window`` positions per sequence, per-token tasks,
+context (type 0) and generation (type 1) requests, last-token logits per sequence.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from engines.runtime.trtllm.layout import BuildMeta
+from engines.runtime.trtllm.runtime import EngineBindings
 
 
 class LlamaReference:
@@ -100,50 +104,115 @@ class LlamaReference:
         return self.logits(x)
 
 
-class PagedExecutor:
-    """Executes ``EngineCall``s like the engine: paged cyclic KV, prompt table, packed tokens."""
+def engine_inputs(tokens: int, batch: int, *, layers: int, window: int, blocks: int, hidden: int,
+                  dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, ...], bool]]:
+    """What a Llama engine built with the GPT attention plugin, paged KV (one pool),
+    ``remove_input_padding`` and a prompt table takes for a call of ``tokens`` tokens over
+    ``batch`` sequences, by input name: (dtype, shape, read on the host), from TensorRT-LLM's
+    documented inputs (``GenerationSession`` / the attention plugin's ``host_*`` tensors).
+    ``blocks``: KV blocks per sequence; ``window``: the cyclic KV length."""
+    i32, i64 = torch.int32, torch.int64
+    per_token, per_seq = (tokens,), (batch,)
+    offsets = (1, batch, 2, blocks)  # [pools, sequences, K/V, blocks]
+    return {
+        "input_ids": (i32, per_token, False), "position_ids": (i32, per_token, False), "tasks": (i32, per_token, False),
+        "prompt_vocab_size": (i32, (1,), False), "prompt_embedding_table": (dtype, (tokens, hidden), False),
+        "last_token_ids": (i32, per_seq, False), "context_lengths": (i32, per_seq, False),
+        "sequence_length": (i32, per_seq, False), "cache_indirection": (i32, (batch, 1, window), False),
+        "kv_cache_block_offsets": (i32, offsets, False), "host_kv_cache_block_offsets": (i32, offsets, True),
+        "host_context_lengths": (i32, per_seq, True), "host_request_types": (i32, per_seq, True),
+        "host_past_key_value_lengths": (i32, per_seq, True), "host_max_attention_window_sizes": (i32, (layers,), True),
+        "host_sink_token_length": (i32, (1,), True), "host_kv_cache_pool_pointers": (i64, (1, 2), True),
+        "host_kv_cache_pool_mapping": (i32, (layers, 2), True), "host_runtime_perf_knobs": (i64, (16,), True),
+        "host_context_progress": (i64, (1,), True),
+    }
 
-    def __init__(self, ref: LlamaReference, num_blocks: int, tokens_per_block: int, window: int) -> None:
+
+class PagedExecutor:
+    """Executes engine calls like the engine: from exactly the inputs the runtime binds
+    (``EngineBindings._bindings``, the method ``TrtllmExecutor.run`` binds from), read by
+    name, with the KV in a paged pool addressed through the bound block offsets, a ring of
+    the bound window per sequence, per-token tasks, context (type 0) and generation (type 1)
+    requests, last-token logits per sequence.  Every call's inputs are first checked against
+    ``engine_inputs``."""
+
+    def __init__(self, ref: LlamaReference, meta: BuildMeta, num_slots: int, window: int,
+                 tokens_per_block: int) -> None:
         self.ref = ref
         self.tokens_per_block = tokens_per_block
-        self.window = window
-        self.pool = torch.zeros(num_blocks, ref.layers, 2, ref.kv_heads, tokens_per_block, ref.head_size)
+        blocks = num_slots * -(-window // tokens_per_block)
+        self.pool = torch.zeros(blocks, ref.layers, 2, ref.kv_heads, tokens_per_block, ref.head_size)
+        self.bindings = EngineBindings(meta, num_slots, window, tokens_per_block, self.pool)
         self.calls = []
 
-    def _address(self, offsets: torch.Tensor, field: int, position: int) -> tuple[int, int]:
+    def run(self, call, block_offsets: torch.Tensor) -> torch.Tensor:
+        self.calls.append(call)
+        inputs = self.bindings._bindings(call, block_offsets)
+        self.check(inputs)
+        return self.execute(inputs)
+
+    def check(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Names, dtypes, shapes and where each input lives, as the engine declares them."""
+        b = self.bindings
+        tokens, batch = inputs["input_ids"].shape[0], inputs["last_token_ids"].shape[0]
+        want = engine_inputs(tokens, batch, layers=self.ref.layers, window=b.window, hidden=self.ref.hidden,
+                             blocks=b.staging.blocks_per_slot, dtype=getattr(torch, b.meta.dtype))
+        assert set(inputs) == set(want), (sorted(set(inputs) - set(want)), sorted(set(want) - set(inputs)))
+        for name, (dtype, shape, on_host) in want.items():
+            value = inputs[name]
+            assert (value.dtype, tuple(value.shape)) == (dtype, shape), (name, value.dtype, tuple(value.shape))
+            assert value.device == (torch.device("cpu") if on_host else b.device), (name, value.device)
+        # The host twins hold what the device reads.
+        for host, device in (("host_context_lengths", "context_lengths"),
+                             ("host_kv_cache_block_offsets", "kv_cache_block_offsets")):
+            assert torch.equal(inputs[host], inputs[device]), f"{device} on the device differs from {host}"
+
+    def _address(self, offsets: torch.Tensor, field: int, position: int, window: int) -> tuple[int, int]:
         """(block, row) of ``position`` for one sequence's offsets [2, blocks]: a ring of ``window``."""
-        ring = position % self.window
+        ring = position % window
         entry = int(offsets[field, ring // self.tokens_per_block])
         assert entry % 2 == field, "K entries are even, V entries odd"
         return entry // (2 * self.ref.layers), ring % self.tokens_per_block
 
-    def _read(self, offsets: torch.Tensor, layer: int, field: int, position: int) -> torch.Tensor:
-        block, row = self._address(offsets, field, position)
-        return self.pool[block, layer, field, :, row]
-
-    def run(self, call, block_offsets: torch.Tensor) -> torch.Tensor:
-        self.calls.append(call)
+    def execute(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         ref = self.ref
-        x_all = ref.embed(call.input_ids, call.tasks, call.prompt_vocab_size, call.table)
-        out, start = [], 0
-        for b, n in enumerate(call.tokens_per_sequence()):
-            context = int(call.request_types[b]) == 0
-            past = 0 if context else int(call.past_key_value_lengths[b])
-            assert int(call.sequence_length[b]) == past + n
-            offsets = block_offsets[0, b]
+        assert int(inputs["host_kv_cache_pool_pointers"][0, 0]) == self.pool.data_ptr()
+        assert inputs["host_kv_cache_pool_mapping"].tolist() == [[0, i] for i in range(ref.layers)]
+        windows = inputs["host_max_attention_window_sizes"].tolist()
+        assert int(inputs["host_sink_token_length"][0]) == 0 and not inputs["cache_indirection"].any()
+        x_all = ref.embed(inputs["input_ids"], inputs["tasks"], inputs["prompt_vocab_size"],
+                          inputs["prompt_embedding_table"])
+        ends = inputs["last_token_ids"].tolist()
+        out = []
+        for b, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+            n = end - start
+            context = int(inputs["host_request_types"][b]) == 0
+            past = 0 if context else int(inputs["host_past_key_value_lengths"][b])
+            assert int(inputs["sequence_length"][b]) == past + n
+            assert not context or int(inputs["context_lengths"][b]) == n
+            offsets = inputs["kv_cache_block_offsets"][0, b]
             for t in range(n):
                 pos = past + t
-                assert int(call.position_ids[start + t]) == pos
+                assert int(inputs["position_ids"][start + t]) == pos
                 x = x_all[start + t : start + t + 1]
-                visible = list(range(max(0, pos - self.window + 1), pos + 1))
                 for i in range(ref.layers):
-                    q, k, v = ref.qkv(i, x, torch.tensor([pos]))
-                    for field, value in ((0, k[0]), (1, v[0])):
-                        block, row = self._address(offsets, field, pos)
-                        self.pool[block, i, field, :, row] = value
-                    keys, values = (torch.stack([self._read(offsets, i, field, p) for p in visible]) for field in (0, 1))
-                    x = ref.finish_layer(i, x, ref.attend(q, keys, values, torch.ones(1, len(visible), dtype=torch.bool)))
+                    x = self._layer(i, x, pos, offsets, windows[i])
             out.append(ref.logits(x)[0])
-            start += n
-        assert start == call.num_tokens
+        assert ends[-1] == inputs["input_ids"].shape[0]
         return torch.stack(out)
+
+    def _layer(self, i: int, x: torch.Tensor, pos: int, offsets: torch.Tensor, window: int) -> torch.Tensor:
+        """Layer ``i`` for one token at ``pos``: write its K and V into the ring, attend over
+        the last ``window`` positions (itself included)."""
+        ref = self.ref
+        q, k, v = ref.qkv(i, x, torch.tensor([pos]))
+        for field, value in ((0, k[0]), (1, v[0])):
+            block, row = self._address(offsets, field, pos, window)
+            self.pool[block, i, field, :, row] = value
+        visible = range(max(0, pos - window + 1), pos + 1)
+        keys, values = (torch.stack([self._read(offsets, i, field, p, window) for p in visible]) for field in (0, 1))
+        return ref.finish_layer(i, x, ref.attend(q, keys, values, torch.ones(1, len(visible), dtype=torch.bool)))
+
+    def _read(self, offsets: torch.Tensor, layer: int, field: int, position: int, window: int) -> torch.Tensor:
+        block, row = self._address(offsets, field, position, window)
+        return self.pool[block, layer, field, :, row]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import numpy as np
 import torch
 
 from engines.config import LMConfig, MimiConfig, WindowMode
-from engines.interface import EngineInfo, Pieces, PrefillUnavailable, SessionSpec, in_one_piece
+from engines.interface import EngineInfo, FrameOutput, Pieces, PrefillUnavailable, SessionSpec, SlotFault, in_one_piece
 from engines.model.lm import MoshiLM
 from engines.model.mimi import MimiCodec
 from engines.model.prefill import PrefillCache, plan_prompt, prompt_embeddings
@@ -35,7 +35,7 @@ from engines.runtime.trtllm.native import (
     stored_prefill,
 )
 from engines.runtime.trtllm.plans import GraphDepformer, load_plans
-from engines.runtime.trtllm.temporal import Executor, TemporalRunner
+from engines.runtime.trtllm.temporal import Executor, TemporalRunner, positions_exhausted
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,9 @@ class TrtllmEngine(EngineRuntime):
         """Nothing to do: trtllm-build compiled the engine, and its runtime captures its own."""
 
     def run_tick(self, slots: Sequence[int], pcm: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        full = self.temporal.full_slots(slots)
+        if full:
+            self._step_all_but(full, slots, pcm)
         # The runner maps slots to sequences on the host: keep this tick's list rather than
         # read it back from the device mid-tick (a synchronisation).
         self._tick_slots = list(slots)
@@ -135,6 +138,19 @@ class TrtllmEngine(EngineRuntime):
             return super().run_tick(slots, pcm)
         finally:
             self._tick_slots = None
+
+    def _step_all_but(self, full: list[int], slots: Sequence[int], pcm: np.ndarray) -> NoReturn:
+        """Slots at the engine's ``--max-positions`` cannot step: the tick's other slots step
+        without them, then ``SlotFault`` names only the full ones, with the others' outputs
+        (the caller restarts the full slots and hands the outputs on).  Checked before the
+        tick, not in the engine call: by then Mimi and the token ring would have advanced
+        every slot, the full ones included.  The form with outputs, not a fault before the
+        step, so the other sessions do not lose this tick."""
+        keep = [i for i, slot in enumerate(slots) if slot not in full]
+        outputs: list[FrameOutput | None] = [None] * len(slots)
+        for i, out in zip(keep, self.step([slots[i] for i in keep], pcm[keep]), strict=True):
+            outputs[i] = out
+        raise SlotFault(positions_exhausted(full, self.meta.max_positions), full, outputs)
 
     def temporal_call(self, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         host_slots = self._tick_slots if self._tick_slots is not None else slots.tolist()

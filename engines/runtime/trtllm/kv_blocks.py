@@ -42,21 +42,28 @@ class SlotKVBlocks:
     def num_blocks(self) -> int:
         return self.num_slots * self.blocks_per_slot
 
-    def offsets(self, slots: Sequence[int]) -> torch.Tensor:
+    def offsets(self, slots: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """``kv_cache_block_offsets`` for a call over ``slots``: [1 pool, B, 2, blocks_per_slot]."""
-        for s in slots:
-            if not 0 <= s < self.num_slots:
-                raise ValueError(f"slot {s} outside [0, {self.num_slots})")
-        return self._table[list(slots)].unsqueeze(0).contiguous()
+        index = slot_index(slots)
+        outside = (index < 0) | (index >= self.num_slots)
+        if outside.any():
+            raise ValueError(f"slots {index[outside].tolist()} outside [0, {self.num_slots})")
+        return self._table[index].unsqueeze(0)  # a gather: a new, contiguous tensor
+
+
+def slot_index(slots: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """``slots`` as a host int64 index tensor (as is if it already is one)."""
+    return torch.as_tensor(slots, dtype=torch.int64)
 
 
 class SlotPositions:
-    """How many positions each slot's sequence holds, and its context (prefill) length."""
+    """How many positions each slot's sequence holds, and its context (prefill) length: one
+    int32 entry per slot, read and advanced for a call's slots at once."""
 
     def __init__(self, num_slots: int, max_positions: int) -> None:
         self.max_positions = max_positions
-        self.length = [0] * num_slots
-        self.context = [0] * num_slots
+        self.length = torch.zeros(num_slots, dtype=torch.int32)
+        self.context = torch.zeros(num_slots, dtype=torch.int32)
 
     def start(self, slot: int, positions: int) -> None:
         if positions > self.max_positions:
@@ -64,15 +71,15 @@ class SlotPositions:
         self.length[slot] = positions
         self.context[slot] = positions
 
-    def check_room(self, slots: Sequence[int]) -> None:
-        full = [s for s in slots if self.length[s] >= self.max_positions]
-        if full:
-            raise ValueError(f"slots {full} reached the engine's {self.max_positions} positions "
-                             "(rebuild with a larger --max-positions for longer calls)")
+    def full(self, slots: Sequence[int] | torch.Tensor) -> list[int]:
+        """The slots of ``slots`` (in their order) with no position left for another step."""
+        index = slot_index(slots)
+        return index[self.length[index] >= self.max_positions].tolist()
 
-    def advance(self, slots: Sequence[int]) -> None:
-        for s in slots:
-            self.length[s] += 1
+    def advance(self, slots: Sequence[int] | torch.Tensor) -> None:
+        """One more position for each of ``slots`` (a slot listed twice advances twice)."""
+        index = slot_index(slots)
+        self.length.index_add_(0, index, torch.ones_like(index, dtype=torch.int32))
 
     def reset(self, slot: int) -> None:
         self.length[slot] = 0

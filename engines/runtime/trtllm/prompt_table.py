@@ -18,6 +18,7 @@ sequence's last token), so the engine returns one row of logits per sequence.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,19 +85,28 @@ def context_call(slot: int, embeddings: torch.Tensor, fake_id: int) -> EngineCal
     )
 
 
-def decode_call(slots: Sequence[int], past_lengths: Sequence[int], context_lengths: Sequence[int],
-                embeddings: torch.Tensor, fake_id: int) -> EngineCall:
+def decode_call(slots: Sequence[int], past_lengths: Sequence[int] | torch.Tensor,
+                context_lengths: Sequence[int] | torch.Tensor, embeddings: torch.Tensor, fake_id: int) -> EngineCall:
     """One new position per slot: ``embeddings`` [B, hidden] at positions ``past_lengths``."""
     b = len(slots)
     if embeddings.shape[0] != b or len(past_lengths) != b or len(context_lengths) != b:
         raise ValueError("slots, lengths and embeddings must have one entry per sequence")
     if len(set(slots)) != b:
         raise ValueError("a slot may appear only once per call")
-    input_ids, tasks, vocab = _prompt_ids(b, fake_id)
-    past = torch.tensor(list(past_lengths), **_i32)
+    input_ids, tasks, vocab, request_types, last_token_ids = _decode_constants(b, fake_id)
+    past = torch.as_tensor(past_lengths, **_i32)
     return EngineCall(
-        slots=tuple(slots), table=embeddings, input_ids=input_ids, position_ids=past.clone(), tasks=tasks,
-        prompt_vocab_size=vocab, context_lengths=torch.tensor(list(context_lengths), **_i32),
-        sequence_length=past + 1, past_key_value_lengths=past,
-        request_types=torch.full((b,), GENERATION, **_i32), last_token_ids=torch.arange(1, b + 1, **_i32),
+        slots=tuple(slots), table=embeddings, input_ids=input_ids, position_ids=past, tasks=tasks,
+        prompt_vocab_size=vocab, context_lengths=torch.as_tensor(context_lengths, **_i32),
+        sequence_length=past + 1, past_key_value_lengths=past, request_types=request_types,
+        last_token_ids=last_token_ids,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_constants(batch: int, fake_id: int) -> tuple[torch.Tensor, ...]:
+    """The inputs of a decode call that depend on its batch size only, made once per size
+    (at most one per slot count) and shared by every call of that size: nobody writes an
+    ``EngineCall``'s tensors."""
+    input_ids, tasks, vocab = _prompt_ids(batch, fake_id)
+    return input_ids, tasks, vocab, torch.full((batch,), GENERATION, **_i32), torch.arange(1, batch + 1, **_i32)
