@@ -28,6 +28,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # A frame's arrival at the socket to its output frame leaving it: one period is the floor.
 FRAME_LATENCY_BUCKETS_S = (0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+# How long the event loop's own work held it past a 50 ms beat (services._watch_loop).
+LOOP_BLOCKED_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 PROTOCOLS = ("realtime", "native")  # the websocket protocols sessions are counted by
 
@@ -97,12 +99,21 @@ class Metrics:
             "personaplex_engine_job_duration_seconds", "Engine time of one piece of control work run between ticks "
             "(live sessions wait for it), by kind: open (a chunk of a joining session's prefill, or its install), "
             "restart, close.", ["kind"], buckets=TICK_BUCKETS_S, registry=reg)
+        self._engine_job_own_seconds = prom.Histogram(
+            "personaplex_engine_job_own_seconds", "The same pieces of control work, less the time the engine "
+            "thread waited for a CPU (other processes on the host): what the work itself held the ticks for.",
+            ["kind"], buckets=TICK_BUCKETS_S, registry=reg)
         self._frame_latency = prom.Histogram(
             "personaplex_frame_latency_seconds", "A client frame's arrival at the socket to its output frame "
             "leaving the socket, per device.", ["device"], buckets=FRAME_LATENCY_BUCKETS_S, registry=reg)
         self._loop_lag = prom.Histogram(
             "personaplex_event_loop_lag_seconds", "How late a front-end worker's event loop ran a timer due now "
             "(sampled twice a second per worker).", buckets=LOOP_LAG_BUCKETS_S, registry=reg)
+        self._loop_blocked = prom.Histogram(
+            "personaplex_event_loop_blocked_seconds", "How long past a due timer a front-end worker's event loop "
+            "was held by its own work or waits (a blocking call, a lock, the interpreter lock), less the time its "
+            "thread waited for a CPU: what the worker's code blocked every session of the worker for, whatever "
+            "else the host runs (every 50 ms per worker).", buckets=LOOP_BLOCKED_BUCKETS_S, registry=reg)
         self._loop_tasks = prom.Gauge("personaplex_event_loop_tasks", "asyncio tasks alive on the front-end "
                                       "workers' event loops (all workers).", registry=reg, multiprocess_mode="livesum")
         self._batch_fill = prom.Gauge("personaplex_device_batch_fill", "Sessions advanced by the device's latest "
@@ -110,8 +121,9 @@ class Metrics:
                                       registry=reg, multiprocess_mode="livemax")
         self._declared = [m for metric in (*self._counters.values(), self._ticks, self._tick_seconds, self._batch,
                                            self._device_tick_seconds, self._device_batch, self._engine_job_seconds,
+                                           self._engine_job_own_seconds,
                                            self._frame_latency,
-                                           self._loop_lag, self._loop_tasks, self._batch_fill)
+                                           self._loop_lag, self._loop_blocked, self._loop_tasks, self._batch_fill)
                           for m in metric.describe()]
         for protocol in PROTOCOLS:  # listed from the start, as the unlabelled counters are
             self._counters["sessions_opened"].labels(protocol)
@@ -148,9 +160,11 @@ class Metrics:
         if silence_frames:
             self._counters["frames_in"].labels("silence").inc(silence_frames)
 
-    def observe_engine_job(self, kind: str, seconds: float) -> None:
-        """One piece of control work between ticks (``kind``: open, restart, close)."""
+    def observe_engine_job(self, kind: str, seconds: float, own_seconds: float) -> None:
+        """One piece of control work between ticks (``kind``: open, restart, close): its wall
+        time, and that less the engine thread's waits for a CPU (``own_clock``)."""
         self._engine_job_seconds.labels(kind).observe(seconds)
+        self._engine_job_own_seconds.labels(kind).observe(own_seconds)
 
     def declare_device(self, device: str) -> None:
         """List a device's histograms before its first tick."""
@@ -164,6 +178,9 @@ class Metrics:
     def observe_loop(self, lag_s: float, tasks: int) -> None:
         self._loop_lag.observe(lag_s)
         self._loop_tasks.set(tasks)
+
+    def observe_loop_blocked(self, seconds: float) -> None:
+        self._loop_blocked.observe(seconds)
 
     # Exposition ---------------------------------------------------------------------------------
     def render(self) -> str:

@@ -39,6 +39,7 @@ from .access import AccessPolicy
 from .engine_pool import DeviceEngine, EngineFactory, EnginePool
 from .limits import ClientLimits, Refusal
 from .listeners import ListenerWatch, find_listeners
+from .loop_watch import watch_event_loop
 from .codec_thread import CodecThread
 from .native_session import NativeSession
 from .session import Session
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 
 GIL_SWITCH_INTERVAL_S = 0.0005  # see start()
 LISTENER_POLL_S = 0.1  # how soon a closed listener (shutdown) starts the drain
-LOOP_SAMPLE_S = 0.5  # event-loop lag sampling period
 LOADING_POLL_S = 0.2  # how often the announcing worker looks whether start-up is over
 ENGINE_CONNECT_TIMEOUT_S = 120.0  # start-up: an engine process answers before loading its model
 
@@ -136,7 +136,7 @@ class Services:
             self._tasks.append(asyncio.ensure_future(self._watch_listeners()))
         if self.speaks_for_server:
             self._tasks.append(asyncio.ensure_future(self._announce_ready()))
-        self._tasks.append(asyncio.ensure_future(self._watch_loop()))
+        self._tasks.append(asyncio.ensure_future(watch_event_loop(self.metrics)))
 
     def stop(self) -> None:
         self.drain("serving stopped")
@@ -156,14 +156,6 @@ class Services:
                     why, len(self.sessions))
         for session in list(self.sessions.values()):
             session.request_stop("shutdown")
-
-    async def _watch_loop(self) -> None:
-        """Sample this worker's event-loop lag (how late a timer runs) and its task count."""
-        loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + LOOP_SAMPLE_S
-            await asyncio.sleep(LOOP_SAMPLE_S)
-            self.metrics.observe_loop(max(0.0, loop.time() - due), len(asyncio.all_tasks()))
 
     async def _announce_ready(self) -> None:
         """Once start-up is over, say where to talk to the server (hypercorn's "Running on"

@@ -52,6 +52,7 @@ from engines.errors import AudioInputError, CheckpointError
 from engines.interface import WAITING, Engine, EngineInfo, FrameOutput, Pieces, SessionSpec, SlotFault
 
 from ..metrics import Metrics
+from ..own_clock import OwnClock
 from ..protocol.audio import float_to_pcm16
 from .tick_policy import FRAME_PERIOD_S, PacedPolicy, TickState, WindowPolicy
 
@@ -310,10 +311,20 @@ class TickScheduler:
         engine = self._load()
         if engine is None:
             return
+        own_clock = OwnClock()  # this thread's: a job's cost without a busy host's waits
+        try:
+            self._serve(engine, own_clock)
+        finally:
+            own_clock.close()
+        for key in list(self._lanes):
+            self._close(engine, key, concurrent.futures.Future())
+
+    def _serve(self, engine: Engine, own_clock: OwnClock) -> None:
+        """Ticks and control work in turn until stopped."""
         while True:
             action = self._next_action()
             if action is None:
-                break
+                return
             kind = action[0]
             if kind == "tick":
                 self._tick(engine, action[1])
@@ -321,7 +332,7 @@ class TickScheduler:
                 continue
             job = action[1] if kind == "job" else None
             label = job.kind if job is not None else kind
-            start = self._clock()
+            start, own_start = self._clock(), own_clock.now()
             self.busy = EngineCall(label, start, 1)
             try:
                 if job is None:
@@ -335,9 +346,7 @@ class TickScheduler:
             finally:
                 self.busy = None
                 if job is None or not job.waited:  # a piece that waited did no engine work
-                    self._metrics.observe_engine_job(label, self._clock() - start)
-        for key in list(self._lanes):
-            self._close(engine, key, concurrent.futures.Future())
+                    self._metrics.observe_engine_job(label, self._clock() - start, own_clock.now() - own_start)
 
     def loading_status(self) -> dict[str, Any] | None:
         """The phase and progress of a load under way (None once it has finished)."""

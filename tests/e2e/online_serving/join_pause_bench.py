@@ -161,9 +161,9 @@ def main() -> int:
     if hasattr(metrics, "observe_engine_job"):  # trees before the split prefill have no such record
         record = metrics.observe_engine_job
 
-        def observe_engine_job(kind: str, seconds: float) -> None:
+        def observe_engine_job(kind: str, seconds: float, *own_seconds: float) -> None:
             jobs.append((time.monotonic(), kind, seconds))
-            record(kind, seconds)
+            record(kind, seconds, *own_seconds)  # trees before issue 32 record no own time
         metrics.observe_engine_job = observe_engine_job
     t_load = time.monotonic()
     scheduler = TickScheduler(factory, policy=Settings().tick_policy_object(), silence_grace_s=0.0,
