@@ -3,12 +3,33 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests import orch_support
 from tests.orch_support import SPEECH_WAV, Server
+
+
+def pytest_addoption(parser):
+    parser.addoption("--busy-processes", type=int, default=0, metavar="N",
+                     help="run N busy-looping processes beside the tests for the whole session: the suite "
+                          "must pass on a machine others share (the 2-core CI machine with N=2: "
+                          "docs/RELIABILITY.md, \"Tests on a busy machine\")")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def busy_processes(request):
+    """``--busy-processes N``: N processes that compute for as long as the tests run."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(request.config.getoption("--busy-processes"))]
+    yield hogs
+    for hog in hogs:
+        hog.kill()
+        hog.wait()
+
 
 # Lines of each server's log a failing test's report shows.
 FAILURE_LOG_LINES = 200

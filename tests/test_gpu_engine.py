@@ -60,16 +60,41 @@ def test_float32_graphed_gpu_tick_matches_cpu(tiny_checkpoint, frames, no_tf32):
     assert t_cpu[2] == t_gpu[2]  # sampled: same seed, same hash noise -> same draws
 
 
-def test_bf16_gpu_tick_runs_and_stays_close(tiny_checkpoint, frames):
+# bf16 weights and activations against the float32 CPU model, text logits teacher-forced
+# over 3 windows: the bf16 model alone measured 1.0 % relative L2 error on the CPU
+# (tests/test_fp8_weights.py); the GPU's kernels (Triton attention, cuBLAS) may add rounding of
+# their own.  The same comparison against another checkpoint's weights (seed 1) must miss it.
+BF16_GPU_LOGIT_ERROR = 0.03
+BF16_GPU_ARGMAX_AGREEMENT = 0.9
+
+
+def test_bf16_gpu_tick_runs_and_stays_close(tiny_checkpoint, frames, tmp_path):
+    from engines.checkpoints.tiny import write_tiny_checkpoint
+    from tests.test_kv_fp8 import _tiny_logits
+
     files = ckpt.locate(tiny_checkpoint)
     gpu = PersonaPlexEngine.from_files(files, 4, EngineOptions(device="cuda"))
     texts, pcms = run(gpu, frames)
     assert all(np.isfinite(p).all() for p in pcms)
+    assert texts[0][0] == 3  # the forced PAD frame first
+    for slot in gpu.open_slots():
+        gpu.close_slot(slot)
     cpu = PersonaPlexEngine.from_files(files, 4, EngineOptions())
-    t_cpu, _ = run(cpu, frames)
-    agree = np.mean([a == b for a, b in zip(texts[0], t_cpu[0])])
-    print(f"bf16 GPU vs fp32 CPU greedy text agreement: {agree:.2f}")
-    assert texts[0][0] == t_cpu[0][0] == 3  # both start with the forced PAD frame
+    other = PersonaPlexEngine.from_files(ckpt.locate(write_tiny_checkpoint(tmp_path / "other", seed=1)), 4,
+                                         EngineOptions(device="cuda"))
+    cfg = cpu.cfg
+    g = torch.Generator().manual_seed(3)
+    n = 3 * cfg.context
+    forced = torch.cat([torch.randint(0, cfg.text_card, (n, 1), generator=g),
+                        torch.randint(0, cfg.card, (n, cfg.num_streams - 1), generator=g)], dim=1)
+    want = _tiny_logits(cpu, forced)
+    for name, engine, close in (("this checkpoint", gpu, True), ("another checkpoint", other, False)):
+        got = _tiny_logits(engine, forced.cuda()).float().cpu()
+        rel = float((got - want).norm() / want.norm())
+        agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+        print(f"bf16 GPU ({name}) vs float32 CPU, teacher-forced text logits: relative L2 {rel:.4f}, "
+              f"argmax agreement {agree:.3f}")
+        assert (rel < BF16_GPU_LOGIT_ERROR and agree >= BF16_GPU_ARGMAX_AGREEMENT) == close, (name, rel, agree)
 
 
 @pytest.mark.parametrize("options", [dict(compile=True), dict(kv_cache="fp8"), dict(kv_cache="fp8", compile=True)],

@@ -22,14 +22,14 @@ from tests.orch_support import (Client, Server, StreamingWitness, f32_append, ru
                                  works)
 
 SESSIONS = 3
-# The longest the witness's audio may pause.  On the 2-core CI machine a tick of the tiny model
-# with a few sessions takes a few ms; the attacks of issue 18 paused it for 2.3-4 s.
-WITNESS_MAX_GAP_S = 1.0
 
 
 def witness(server: Server) -> StreamingWitness:
-    """A witness held to WITNESS_MAX_GAP_S."""
-    return StreamingWitness(server, max_gap_s=WITNESS_MAX_GAP_S)
+    """A witness of an attack: its audio keeps coming, every frame it sends is answered, and
+    the worker's event loop is never held by the attack (``orch_support.LOOP_BLOCK_LIMIT_S``,
+    measured by the server without the host's waits; the attacks of issue 18 held it for
+    2.3-4 s)."""
+    return StreamingWitness(server)
 
 
 @pytest.fixture(scope="module")
@@ -229,30 +229,46 @@ def test_error_replies_and_logs_quote_client_values_briefly(server: Server):
 
 
 
+# The longest one piece of a joining session's preparation may hold the ticks, in the engine
+# thread's own time (``personaplex_engine_job_own_seconds``: the host's waits left out): one of
+# that histogram's bucket bounds, two frames' worth of the 80 ms budget the live sessions share.
+# A piece is 256 prompt positions; on the 2-core dev VM the tiny model's pieces take well under
+# it, while the whole prompt in one piece held the ticks for over a minute and the token plan
+# computed whole for 0.15-0.58 s (af8aa81).
+JOIN_PIECE_LIMIT_S = 0.16
+JOIN_TIMEOUT_S = 120.0  # the join's own wait: only a join that never opens fails it, not a slow host
+
+
 def test_a_very_long_persona_joins_without_pausing_a_live_session():
     """A persona's prefill used to run in one go on the engine thread, pausing every live
     session for the whole pass.  It now runs in pieces between ticks: with the persona limit
     raised so that the tiny model's prefill is long too (200,000 characters, ~80,000 prompt
     positions; in one piece such a pass takes over a minute here: 73 s for 50,000 positions,
-    measured), the witness's audio keeps its pace while the joiner is prepared (1.2-1.8 s, gaps
-    up to 0.12 s on the dev VM), and the joiner opens.  While the prompt's token plan was
-    computed whole in one piece, that piece alone paused the witness for 0.3-0.6 s here."""
+    measured), no piece holds the ticks past JOIN_PIECE_LIMIT_S, the witness streams on with
+    every frame answered, and the joiner opens (1.2-1.8 s on the idle dev VM)."""
     server = Server(max_sessions=2, silence_grace_s=0, workers=1, max_instructions_chars=200_000)
+
+    def long_pieces(bound: float = JOIN_PIECE_LIMIT_S) -> float:
+        return server.observations_above("personaplex_engine_job_own_seconds", bound, 'kind="open"')
+
     try:
         async def scenario():
-            async with StreamingWitness(server, max_gap_s=LONG_JOIN_MAX_GAP_S) as streaming:
+            async with StreamingWitness(server) as streaming:
                 joiner = await Client.connect(server.ws + "/v1/realtime?duplex=1")
                 started = time.monotonic()
-                await joiner.open(instructions="You are a patient and thorough teacher. " * 5000)
+                await joiner.open(open_timeout_s=JOIN_TIMEOUT_S,
+                                  instructions="You are a patient and thorough teacher. " * 5000)
                 opened_s = time.monotonic() - started
                 await joiner.send({"type": "session.close"})
                 await joiner.wait_closed()
-            print(f"joined in {opened_s:.2f} s; the witness's longest gap {streaming.longest_gap_s(started):.3f} s")
+            pieces = server.metric('personaplex_engine_job_own_seconds_count{kind="open"}')
+            print(f"joined in {opened_s:.2f} s over {pieces:.0f} pieces (own time past 10/20/40/80 ms: "
+                  f"{', '.join(f'{long_pieces(b):.0f}' for b in (0.01, 0.02, 0.04, 0.08))}); the witness's longest "
+                  f"gap {streaming.longest_gap_s(started):.3f} s (wall clock)")
+            assert pieces > 100  # the prompt was prepared in pieces
+            assert long_pieces() == 0, f"{long_pieces():.0f} piece(s) held the ticks past {JOIN_PIECE_LIMIT_S} s"
 
         run(scenario())
     finally:
         server.stop()
     server.assert_clean_log()
-
-
-LONG_JOIN_MAX_GAP_S = 0.4

@@ -3,10 +3,11 @@ write does (``quantize_fp8`` + indexed stores): on a GPU bit for bit but for an 
 now and then (torch's own division there is inexact, see the test), into one layer's view of
 a multi-layer ring, from a call's transposed keys; on CPU through Triton's interpreter, whose
 float32 -> e4m3 conversion rounds some values wrongly (124.18 becomes 64, not 128: the
-mantissa's carry into the exponent is lost, which halves the value, 4 steps of e4m3's 3-bit
-mantissa), so there the scales must be exact (they also pin every write's location) and
-the values within those 4 steps.  The interpreter runs in a subprocess: it is chosen when Triton
-is imported."""
+mantissa's carry into the exponent is lost, which halves the value), so there the scales must
+be exact (they also pin every write's location) and every value bit for bit but for the
+interpreter's two known errors, each checked for what it is: a value that rounds up to a power
+of two read as half of it, and a tie rounded away from the even neighbour.  The interpreter
+runs in a subprocess: it is chosen when Triton is imported."""
 
 from __future__ import annotations
 
@@ -41,31 +42,44 @@ CASE = textwrap.dedent("""
                            keys[layer], values[layer], scales[0][layer], scales[1][layer],
                            slots.repeat_interleave(T), ring.reshape(-1))
         rows = slots.view(-1, 1).expand(B, T)
-        for data, scale, x in ((want[0], want[2], k), (want[1], want[3], v)):
+        # Each value's unrounded ratio to its scale, where the ring stores it (what e4m3 rounds).
+        ratios = [torch.zeros(keys.shape, device=device) for _ in range(2)]
+        for data, scale, ratio, x in ((want[0], want[2], ratios[0], k), (want[1], want[3], ratios[1], v)):
             q, s = quantize_fp8(x.transpose(1, 2))
             data[layer][rows, :, ring] = q
             scale[layer][rows, :, ring] = s
-        return [(got.float() - w.float()).abs() for got, w in zip((keys, values, *scales), want)], want
+            ratio[layer][rows, :, ring] = x.transpose(1, 2).float() / s.unsqueeze(-1)
+        return [(got.float() - w.float()).abs() for got, w in zip((keys, values, *scales), want)], want, ratios
 """)
 
 
 def test_the_fused_fp8_write_stores_what_the_ring_stores_in_the_interpreter():
     script = CASE + textwrap.dedent("""
-        errors, want = check("cpu")
+        errors, want, ratios = check("cpu")
         assert errors[2].max() == 0 and errors[3].max() == 0  # the scales: exact
-        # The values, in e4m3 steps (1/8 of the value's power of two) of the right one.
-        steps = [(e / torch.clamp(2.0 ** (torch.floor(torch.log2(w.float().abs().clamp_min(2 ** -6))) - 3),
-                                  min=2.0 ** -9)).max().item() for e, w in zip(errors[:2], want[:2])]
-        print(max(steps))
+        # The values: exact, or one of the interpreter's two known errors.
+        wrong = 0
+        for error, w, ratio in zip(errors[:2], want[:2], ratios):
+            w = w.float()
+            exact = error == 0
+            # A value that rounds up to a power of two read as its half (the carry lost) ...
+            lost_carry = (torch.frexp(w)[0].abs() == 0.5) & (error == w.abs() / 2)
+            # ... and a tie rounded away from the even neighbour (336 -> 352, not 320).
+            tie = (ratio - w).abs() * 2 == error
+            known = exact | lost_carry | tie
+            assert known.all(), ("unexplained", error[~known].tolist(), w[~known].tolist(), ratio[~known].tolist())
+            wrong += int((~exact).sum())
+        print(wrong / errors[0].numel() / 2)
     """)
-    assert worst_error_in_interpreter(script) <= 4  # see the module's docstring
+    # Rare (21 values of 34,560 here): more would be a kernel's doing, whatever their kind.
+    assert worst_error_in_interpreter(script) < 0.002
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_fused_fp8_write_stores_what_the_ring_stores_on_the_gpu():
     namespace = {}
     exec(CASE, namespace)
-    errors, want = namespace["check"]("cuda")
+    errors, want, _ = namespace["check"]("cuda")
     assert errors[0].max().item() == 0 and errors[1].max().item() == 0  # the fp8 values: bit for bit
     # The scales within one float32 ulp: the kernel divides amax by 448 exactly (as the CPU
     # ring does), torch's CUDA division by a Python number multiplies by its reciprocal

@@ -348,6 +348,8 @@ def test_client_that_stops_reading_is_closed_and_others_go_on(orch_tuned_server:
         frames = speech_frames(20)
         chunk = f32_append(np.tile(frames.reshape(-1), 3))  # 60 frames, within the input budget
         closed = 'personaplex_sessions_closed_total{protocol="realtime",reason="output_backpressure"}'
+        # A bound on a hang, not a speed: ~10-13 s here, idle or beside two busy processes (it
+        # took 72-132 s beside them while the tiny model's torch ran two intra-op threads).
         deadline = time.monotonic() + 120
         reader_sent = 0
         while not orch_tuned_server.metric(closed):

@@ -153,7 +153,8 @@ def test_an_engine_killed_is_replaced_and_its_sessions_are_told(two_workers: Ser
 @pytest.mark.parametrize("launcher", ["personaplex"])
 def test_a_worker_killed_loses_only_its_own_sessions(launcher: str):
     """With the launcher's master a dead worker is replaced; the engine frees its slots and
-    the other worker's sessions stream on without a gap."""
+    the other worker's session streams on as it was: every frame it sent before and after the
+    kill answered, in the one response it had, with no error and no new epoch."""
     server = Server(workers=2, launcher=launcher, max_sessions=MAX_SESSIONS, warmup_frames=2, silence_grace_s=0.5)
     try:
         server.wait_free_slots(MAX_SESSIONS)
@@ -163,6 +164,11 @@ def test_a_worker_killed_loses_only_its_own_sessions(launcher: str):
             by_worker = _engine(server)["sessions_by_worker"]
             victim = int(next(pid for pid, count in by_worker.items() if count > 0))
             survivors = [pid for pid in server.worker_pids() if pid != victim]
+            before = speech_frames(4, offset_s=3.0)
+            for client, _ in sessions:
+                for frame in before:
+                    await client.send(f32_append(frame))
+                await client.wait_audio_frames(len(before))
             os.kill(victim, signal.SIGKILL)
             # The engine notices within a heartbeat or two and frees the victim's slot.
             deadline = time.monotonic() + 10
@@ -177,14 +183,18 @@ def test_a_worker_killed_loses_only_its_own_sessions(launcher: str):
                         await client.send(f32_append(frame))
                     except Exception:  # noqa: BLE001 - the victim's socket (its worker is gone)
                         alive.remove(client)
-            streamed = 0
+            streamed = []
             for client in alive:
                 try:
-                    await client.wait_audio_frames(6, timeout=15)
-                    streamed += 1
+                    await client.wait_audio_frames(len(before) + 6, timeout=60)  # a count: a slow host only delays it
+                    streamed.append(client)
                 except AssertionError:
                     pass
-            assert streamed == 1, "exactly the survivor's session streams"
+            assert len(streamed) == 1, "exactly the survivor's session streams"
+            survivor = streamed[0]
+            assert not [e for e in survivor.events if e["type"] == "error"], survivor.events
+            assert len({d["response_id"] for d in survivor.audio()}) == 1  # the response it had, not a new one
+            assert {d["metadata"]["epoch"] for d in survivor.audio()} == {0}  # never restarted
             return survivors
 
         survivors = run(scenario())

@@ -1,14 +1,21 @@
 """The short soak of CI (the long one: ``python -m tests.soak``, figures in
 docs/RELIABILITY.md): 4 sessions with churn for 30 s on a real server, then every slot,
-descriptor, thread and task is back and memory stayed flat."""
+descriptor, thread and task is back, and the worker's resident memory grew by no more than
+a few sessions' worth of audio after warm-up."""
 
 from __future__ import annotations
 
 from tests.soak import run_soak
 
+# Resident memory growth allowed after warm-up.  Measured on the 2-core dev VM (2026-12-04,
+# two runs, 23 sessions each): 0.2 MB.  The same run with each session's input audio kept
+# (a planted leak of ~0.4 MB a session) grew 8.9 MB and fails here: a leak of more than
+# ~0.1 MB per session shows.
+MAX_GROWTH_MB = 3.0
+
 
 def test_short_soak_leaks_nothing():
-    result = run_soak(30, 4, session_s=(3.0, 8.0), seed=7, sample_every_s=2.0, max_growth_mb=32.0)
+    result = run_soak(30, 4, session_s=(3.0, 8.0), seed=7, sample_every_s=2.0, max_growth_mb=MAX_GROWTH_MB)
     assert result["totals"]["sessions_opened"] >= 8, result["totals"]  # churn happened
     assert result["totals"]["cancels"] + sum(result["totals"]["endings"].values()) >= 8
     failed = [name for name, ok in result["checks"].items() if not ok]

@@ -106,8 +106,12 @@ def test_lifecycle_against_the_real_server(e2e_duplex_server, tmp_path):
         wav.writeframes(np.clip(np.rint(clip * 32767), -32768, 32767).astype("<i2").tobytes())
     e2e_duplex_server.wait_free_slots(2)
     out = tmp_path / "out"
+    # --max-frame-deficit 0: each phase waits (within --timeout-s) until every input frame is
+    # answered before its drain, so the voiced-frame checks count all of a session's output
+    # on any host; with the reference's allowance of 4 a session whose last frames were still
+    # in flight on a busy machine had 4 voiced frames of the 5 asked for.
     code = _driver(e2e_duplex_server, out, "--input-wav", str(wav_path), "--tail-s", "0.4", "--drain-s", "0.5",
-                   "--replacement-frames", "6")
+                   "--replacement-frames", "6", "--max-frame-deficit", "0")
     result = json.loads((out / "result.json").read_text())
     assert code == EXIT_OK and result["ok"] is True, result["failure"]
     assert result["overflow_error_code"] == "resource_exhausted" and result["errors"] == []
@@ -122,6 +126,6 @@ def test_lifecycle_against_the_real_server(e2e_duplex_server, tmp_path):
     ids = {result[name]["session_id"] for name in ("primary", "secondary", "replacement")}
     assert len(ids) == 3
     for name in ("primary", "secondary", "replacement"):
-        assert len(result[name]["response_ids"]) == 1 and 0 <= result[name]["frame_deficit"] <= 4
+        assert len(result[name]["response_ids"]) == 1 and result[name]["frame_deficit"] == 0
         assert (out / f"{name}-output.wav").stat().st_size > 44
     e2e_duplex_server.wait_free_slots(2)
