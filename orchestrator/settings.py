@@ -86,12 +86,14 @@ class Settings:
     window: str = "reference"  # attention window policy handed to the engine
     # Temporal KV cache storage: "auto" = the model dtype (bf16 on a GPU, float32 on CPU);
     # "fp8" = float8 e4m3 with per-(position, head) scales, half the memory and bandwidth
-    # (CUDA only; ~2x the sessions per GPU; see docs/PERFORMANCE.md for its measured error).
+    # (CUDA only; ~1.65x the sessions per GPU; measured error: docs/PERFORMANCE.md, "fp8 KV
+    # cache: error").
     kv_cache: str = "auto"
     # LM weights: "auto" = as the checkpoint stores them (bf16; fp8 for a copy written by
     # convert_checkpoint.py --target torch-fp8); "fp8" = the projections and FFNs quantized to
     # float8 e4m3 at load: the 7B model in ~9 GB instead of ~17 (torch backend; error figures
-    # in docs/PERFORMANCE.md; speech quality with real weights not yet measured).
+    # in docs/PERFORMANCE.md, "fp8 weights (issue 20)"; speech quality with real weights not
+    # yet measured).
     weights: str = "auto"
     # torch.compile the GPU fast path's layer blocks: auto = on for CUDA, off on CPU (where
     # the eager path is the exact reference); compiling adds a minute or two to start-up.
@@ -114,7 +116,8 @@ class Settings:
     # keeps the engine about tick_busy_target busy (batch_window_ms its shortest), unless every
     # live session has a frame or a frame has waited a whole period; "window" once every live
     # session has a frame or the oldest frame waited batch_window_ms.  Paced is the default:
-    # the same latency at light load, larger batches under load (docs/PERFORMANCE.md).
+    # the same latency at light load, larger batches under load (docs/PERFORMANCE.md, "Both
+    # tick policies at full windows").
     tick_policy: str = "paced"
     tick_busy_target: float = 0.7
     batch_window_ms: float = 20.0  # window: longest a ready frame waits; paced: shortest interval

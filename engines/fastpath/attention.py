@@ -13,7 +13,8 @@ With an fp8 cache (``scales`` given) keys and values are float8 e4m3 with one fl
 per (position, head): the kernel folds the key scale into the score and the value scale
 into the softmax weight, so dequantisation costs two multiplies per position.  (Running the
 two products on tensor cores as zero-padded 16-wide fp16 matrix products was measured
-slower on the H200: 1.7 against 2.5 TB/s at B=64-128, docs/PERFORMANCE.md.)
+slower on the H200: 1.6-1.7 against 2.4-2.5 TB/s at B=64-128, 2026-12-01,
+docs/results/2026-12-01-h200-fp8-mma-ab.txt.)
 """
 
 from __future__ import annotations
@@ -119,8 +120,10 @@ if triton is not None:
         tl.store(Out + b * stride_ob + h * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
-# Tuned on the H200 with engines.tools.bench_attention (see docs/PERFORMANCE.md): fp8 rows
-# are half the bytes, so a block of twice the positions keeps as many bytes in flight.
+# Tuned on the H200 with engines.tools.bench_attention (docs/PERFORMANCE.md, "GPU: lockstep
+# tick at PersonaPlex-7B shapes": 256 positions were the best fp8 block of a sweep, 128 the
+# best bf16 one, docs/results/2026-12-01-h200-attention-ab-int32.json): fp8 rows are half
+# the bytes, so a block of twice the positions keeps as many bytes in flight.
 BLOCK_N = 128
 BLOCK_N_FP8 = 256
 NUM_WARPS = 4

@@ -3,7 +3,8 @@
 For the decode ticks of up to ``GEMV_ROWS`` sessions, which only read weights: fp8 weights
 halve the bytes, but neither cuBLASLt's fp8 kernels (``torch._scaled_mm``, which also has to
 quantize the activations first) nor a tensor-core Triton kernel read them faster than cuBLAS
-reads bf16 at a few rows (1.1-1.75 TB/s against ~3.5 TB/s on the H200, docs/PERFORMANCE.md).
+reads bf16 at a few rows (1.1-1.75 TB/s against ~3.5 TB/s on the H200, docs/PERFORMANCE.md,
+"Second run: a few-row fp8 kernel").
 This kernel does the arithmetic on CUDA cores instead: each program streams ``BLOCK_N``
 output channels' weight rows in ``BLOCK_K``-wide steps, converts them to float32 in
 registers and multiplies them with every activation row, keeping float32 partial sums per
@@ -38,8 +39,8 @@ KERNEL_ROWS = 4
 # Output channels per program and the K step (the defaults; ``launch`` takes others for the
 # micro-benchmark's sweep): the sweep's best or within 2 % of it at two rows on each of the
 # four 7B temporal weights (H200, 2026-12-03: in_proj 22.8 us, out_proj 9.5, ffn_in 37.5,
-# ffn_out 20.4; docs/PERFORMANCE.md).  Triton does not pipeline this loop (it has no dot):
-# the stage count changed nothing.
+# ffn_out 20.4; docs/PERFORMANCE.md, "Third session of measurements").  Triton does not
+# pipeline this loop (it has no dot): the stage count changed nothing.
 BLOCK_N = 4
 BLOCK_K = 512
 NUM_WARPS = 4

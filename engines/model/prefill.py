@@ -264,7 +264,7 @@ def prompt_pass(lm: MoshiLM, embed: Callable[[int, int], torch.Tensor], total: i
     ``WAITING`` until it is free; without, it runs eagerly with a cache of its own (~1.7 GB at
     the 7B shapes: a burst of joins each holding one could exhaust the GPU's headroom).  Eager
     pieces are bound by the host launching their kernels whatever their length, replayed ones
-    by the GPU (docs/PERFORMANCE.md).
+    by the GPU (docs/PERFORMANCE.md, "Joins during a full load").
     """
     if chunk is None or chunk >= total:
         with torch.inference_mode():

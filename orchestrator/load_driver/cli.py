@@ -71,7 +71,8 @@ Both response.output_audio.delta and the legacy response.audio.delta are accepte
 
 A summary table goes to stdout, progress and diagnostics to stderr.  The result fields are
 those of the reference driver (shared spec realtime-duplex.md §7), plus protocol_violations and
-scheduler_data_plane per load row; a worked N=8 example is in docs/PERFORMANCE.md.
+scheduler_data_plane per load row; a worked N=8 example is in docs/PERFORMANCE.md, "CPU: paced
+load driver, N=8".
 
 Exit status: 0 ok, 1 the run was not ok, 2 bad arguments or input, or an existing
 load-result.json in --output-dir.

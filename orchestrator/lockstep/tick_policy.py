@@ -7,7 +7,8 @@ policy is tested alone with plain numbers.
 Why it matters: a tick reads every weight once whatever its batch, and has a fixed cost
 besides, so many small ticks serve fewer sessions per GPU-second than few large ones.  Real
 clients send at arbitrary phases of the 80 ms period.  Measured figures for both policies:
-docs/PERFORMANCE.md.
+docs/PERFORMANCE.md, "Both tick policies at full windows" and "The server on the H200 at full
+windows" (the one-process layout of 2026-12-01).
 
 - ``paced`` (the server's default): tick when every live lane has a frame; otherwise at most
   once per *interval* after the previous tick took its frames, the interval being the recent

@@ -3,7 +3,8 @@
 Every 80 ms a session's event loop decodes one ``input_audio_buffer.append`` (~10 kB) and
 encodes an audio delta (~6 kB) and a transcript delta; at 128 sessions that is ~4,800
 messages a second on one interpreter.  Measured on the 2-core dev VM (2026-12-01): decoding
-an append 11.4 -> 6.6 us, encoding an audio delta 30.1 -> 1.9 us (docs/PERFORMANCE.md).
+an append 11.4 -> 6.6 us, encoding an audio delta 30.1 -> 1.9 us (docs/PERFORMANCE.md, "What
+the front end costs per message": timeit figures, no raw file kept).
 
 Strictness, as before for anything a client can send: NaN, Infinity and out-of-range numbers
 (``1e999``) are not JSON numbers and are refused, and so is nesting deeper than 1024 and any

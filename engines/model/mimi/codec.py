@@ -77,8 +77,9 @@ class MimiCodec(nn.Module):
         changes, norms, ELUs around each convolution); compiled, inductor fuses them around
         the convolutions and GEMMs.  The transformers' KV-ring writes and attention stay
         eager between compiled layer halves: compiling each whole step, rings included,
-        made the B=1 tick slower on the H200 (docs/PERFORMANCE.md; the cause was not
-        profiled), while compiling these pieces made it faster.
+        made the B=1 tick slower on the H200 (docs/PERFORMANCE.md, "GPU: lockstep tick at
+        PersonaPlex-7B shapes"; the cause was not profiled), while compiling these pieces
+        made it faster.
         Dynamic shapes: one compilation serves every batch bucket.  The CPU reference
         path never calls this (its batch-invariant kernels are not traceable).
         """
