@@ -98,6 +98,12 @@ class Settings:
     # torch.compile the GPU fast path's layer blocks: auto = on for CUDA, off on CPU (where
     # the eager path is the exact reference); compiling adds a minute or two to start-up.
     compile: str = "auto"
+    # torch's intra-op threads in an engine on the CPU (the demo model); 0 = torch's default,
+    # one per core.  One: the tiny model's tick is ~10 % slower on an idle host, and keeps its
+    # pace on a busy one, where several threads wait for each other's turn on a core (with two
+    # busy processes on 2 cores: p99 29 against 57 ms, longest 35 against 132;
+    # docs/results/2026-12-04-cpu-tick-threads.json).  Engines on a GPU are left as they are.
+    cpu_threads: int = 1
     # Admission per device (per engine); None derives it from each device's memory and
     # session_memory_gb (see resolved_max_sessions).
     max_sessions: int | None = None
@@ -239,6 +245,7 @@ class Settings:
                      "opens_per_minute_per_ip", "max_events_per_s", "max_input_bytes_per_s", "watchdog_deadline_s",
                      "unhealthy_after_failed_ticks"):
             positive(name, allow_zero=True)
+        positive("cpu_threads", allow_zero=True)
         positive("max_instructions_chars")
         if self.refuse_when_full not in REFUSE_WHEN_FULL_MODES:
             raise SettingsError(f"{env_name('refuse_when_full')} must be one of {', '.join(REFUSE_WHEN_FULL_MODES)}, "
@@ -253,7 +260,7 @@ class Settings:
         engine of ``device``."""
         return dict(max_slots=self.resolved_max_sessions(device), device=device, backend=self.backend,
                     window=self.window, kv_cache=self.kv_cache, compile=self.compile, weights=self.weights,
-                    voice_dir=self.voice_dir)
+                    voice_dir=self.voice_dir, cpu_threads=self.cpu_threads)
 
     def tick_policy_object(self) -> WindowPolicy | PacedPolicy:
         """The scheduler's tick policy, as these settings configure it."""

@@ -55,7 +55,25 @@ BAD_SETTINGS = [
     ({"PERSONAPLEX_AUTH": "required"}, "PERSONAPLEX_AUTH=required but no API keys are configured"),
     ({"PERSONAPLEX_WEIGHTS": "int4"}, "PERSONAPLEX_WEIGHTS must be one of auto, fp8, got 'int4'"),
     ({"PERSONAPLEX_DEVICE": "cuda"}, "PERSONAPLEX_DEVICE=cuda but CUDA is not available here"),
+    ({"PERSONAPLEX_CPU_THREADS": "-1"}, "PERSONAPLEX_CPU_THREADS must be >= 0, got -1"),
 ]
+
+
+@pytest.mark.parametrize("cpu_threads", [1, 0])
+def test_an_engine_on_the_cpu_runs_torch_with_the_configured_threads(cpu_threads):
+    """PERSONAPLEX_CPU_THREADS reaches the engine's torch (the server's engines are built with
+    Settings.engine_kwargs); 0 leaves torch's own default."""
+    script = ("import torch\n"
+              "from engines.runtime.factory import create_engine\n"
+              "from orchestrator.settings import Settings\n"
+              "default = torch.get_num_threads()\n"
+              f"create_engine(None, **Settings.from_mapping({{'cpu_threads': {cpu_threads}}}).engine_kwargs('cpu'))\n"
+              "print(default, torch.get_num_threads())\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    default, used = map(int, done.stdout.split()[-2:])
+    assert used == (cpu_threads or default), done.stdout
 
 
 @pytest.mark.parametrize("env, message", BAD_SETTINGS, ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)

@@ -80,6 +80,7 @@ def create_engine(
     compile: str = "auto",
     weights: str = "auto",
     voice_dir: str | Path | None = None,
+    cpu_threads: int = 0,
 ) -> Engine:
     """Load ``checkpoint`` (a local checkpoint directory, or a Hugging Face repo id) into an
     engine with ``max_slots`` session slots.  ``None`` selects the embedded default: the
@@ -87,10 +88,16 @@ def create_engine(
     ``random:<model>`` random weights at that model's shapes (``engines/checkpoints/random_weights.py``).
     ``voice_dir``: more voices, served ahead of the checkpoint's (every file checked now).
     ``weights``: ``EngineOptions.weights`` ("fp8": the torch backend only).
+    ``cpu_threads``: torch's intra-op threads for an engine on the CPU (the whole process's;
+    0 leaves torch's default).
 
     On CUDA the calling thread's current device becomes ``device``: drive the engine from
     this thread."""
     _bind_thread_to(device)
+    if device == "cpu" and cpu_threads > 0:
+        import torch
+
+        torch.set_num_threads(cpu_threads)
     if device.startswith("cuda"):  # compiled pieces and Triton kernels: keep them for the next start
         from engines.fastpath.compiled import use_persistent_caches
 
