@@ -28,7 +28,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # A frame's arrival at the socket to its output frame leaving it: one period is the floor.
 FRAME_LATENCY_BUCKETS_S = (0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.16, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
-# How long the event loop's own work held it past a 50 ms beat (services._watch_loop).
+# How long the event loop's own work held it past a 50 ms beat (frontend/loop_watch.py).
 LOOP_BLOCKED_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 PROTOCOLS = ("realtime", "native")  # the websocket protocols sessions are counted by

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests import orch_support
+from tests.busy import busy_processes
 from tests.orch_support import SPEECH_WAV, Server
 
 
@@ -21,14 +20,10 @@ def pytest_addoption(parser):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def busy_processes(request):
+def busy_beside_the_tests(request):
     """``--busy-processes N``: N processes that compute for as long as the tests run."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(request.config.getoption("--busy-processes"))]
-    yield hogs
-    for hog in hogs:
-        hog.kill()
-        hog.wait()
+    with busy_processes(request.config.getoption("--busy-processes")) as hogs:
+        yield hogs
 
 
 # Lines of each server's log a failing test's report shows.

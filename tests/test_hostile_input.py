@@ -129,10 +129,9 @@ def test_compression_is_declined_and_a_compressed_frame_is_never_inflated(server
             bomb = zlib.compressobj(9, zlib.DEFLATED, -15)
             payload = bomb.compress(b'{"type":"x","pad":"' + b"A" * (15 << 20) + b'"}') + bomb.flush(zlib.Z_SYNC_FLUSH)
             assert len(payload) < 64 * 1024
-            for _ in range(3):
-                started = time.monotonic()
+            for _ in range(3):  # each closed (with or without 1002), uninflated: the witness saw no blocked loop
                 code = await asyncio.get_running_loop().run_in_executor(None, send_deflated_frame, server, payload)
-                assert code in (None, 1002) and time.monotonic() - started < 5  # closed (with or without 1002)
+                assert code in (None, 1002)
 
     run(scenario())
 
@@ -229,13 +228,6 @@ def test_error_replies_and_logs_quote_client_values_briefly(server: Server):
 
 
 
-# The longest one piece of a joining session's preparation may hold the ticks, in the engine
-# thread's own time (``personaplex_engine_job_own_seconds``: the host's waits left out): one of
-# that histogram's bucket bounds, two frames' worth of the 80 ms budget the live sessions share.
-# A piece is 256 prompt positions; on the 2-core dev VM the tiny model's pieces take well under
-# it, while the whole prompt in one piece held the ticks for over a minute and the token plan
-# computed whole for 0.15-0.58 s (af8aa81).
-JOIN_PIECE_LIMIT_S = 0.16
 JOIN_TIMEOUT_S = 120.0  # the join's own wait: only a join that never opens fails it, not a slow host
 
 
@@ -244,11 +236,13 @@ def test_a_very_long_persona_joins_without_pausing_a_live_session():
     session for the whole pass.  It now runs in pieces between ticks: with the persona limit
     raised so that the tiny model's prefill is long too (200,000 characters, ~80,000 prompt
     positions; in one piece such a pass takes over a minute here: 73 s for 50,000 positions,
-    measured), no piece holds the ticks past JOIN_PIECE_LIMIT_S, the witness streams on with
-    every frame answered, and the joiner opens (1.2-1.8 s on the idle dev VM)."""
+    measured), it is prepared in over a hundred pieces, the witness streams on with every frame
+    answered and no piece held the ticks past ``orch_support.ENGINE_PIECE_LIMIT_S`` of the
+    engine's own time (the witness's check), and the joiner opens (1.2-1.8 s on the idle dev
+    VM)."""
     server = Server(max_sessions=2, silence_grace_s=0, workers=1, max_instructions_chars=200_000)
 
-    def long_pieces(bound: float = JOIN_PIECE_LIMIT_S) -> float:
+    def long_pieces(bound: float) -> float:
         return server.observations_above("personaplex_engine_job_own_seconds", bound, 'kind="open"')
 
     try:
@@ -266,7 +260,6 @@ def test_a_very_long_persona_joins_without_pausing_a_live_session():
                   f"{', '.join(f'{long_pieces(b):.0f}' for b in (0.01, 0.02, 0.04, 0.08))}); the witness's longest "
                   f"gap {streaming.longest_gap_s(started):.3f} s (wall clock)")
             assert pieces > 100  # the prompt was prepared in pieces
-            assert long_pieces() == 0, f"{long_pieces():.0f} piece(s) held the ticks past {JOIN_PIECE_LIMIT_S} s"
 
         run(scenario())
     finally:

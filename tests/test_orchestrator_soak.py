@@ -16,6 +16,8 @@ MAX_GROWTH_MB = 3.0
 
 def test_short_soak_leaks_nothing():
     result = run_soak(30, 4, session_s=(3.0, 8.0), seed=7, sample_every_s=2.0, max_growth_mb=MAX_GROWTH_MB)
+    print(f"{result['totals']['sessions_opened']} sessions, {result['totals']['frames_in']} frames in; memory (MB): "
+          f"{result['memory']}")
     assert result["totals"]["sessions_opened"] >= 8, result["totals"]  # churn happened
     assert result["totals"]["cancels"] + sum(result["totals"]["endings"].values()) >= 8
     failed = [name for name, ok in result["checks"].items() if not ok]

@@ -5,9 +5,6 @@ it (``personaplex_event_loop_blocked_seconds``).  Linux only (schedstat)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +13,7 @@ import pytest
 from orchestrator.frontend.loop_watch import watch_event_loop
 from orchestrator.metrics import Metrics
 from orchestrator.own_clock import OwnClock
+from tests.busy import busy_processes, usable_cpus
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux's schedstat")
 
@@ -33,18 +31,15 @@ def test_own_time_leaves_out_the_waits_for_a_cpu():
     """0.2 s of computing beside twice as many busy processes as cores: its wall time grows
     (the check needs that, or it shows nothing), its own time stays the computing.  A clock
     that counted the waits (plain wall time) fails here."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
-    try:
+    with busy_processes(2 * usable_cpus()) as hogs:
         time.sleep(0.3)  # the hogs are running
         clock = OwnClock()
-        wall, own = time.monotonic(), clock.now()
-        spin(0.2)
-        wall, own = time.monotonic() - wall, clock.now() - own
-        clock.close()
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
+        try:
+            wall, own = time.monotonic(), clock.now()
+            spin(0.2)
+            wall, own = time.monotonic() - wall, clock.now() - own
+        finally:
+            clock.close()
     print(f"0.2 s of CPU beside {len(hogs)} busy processes: wall {wall:.3f} s, own {own:.3f} s")
     assert wall > 0.3, "the busy processes did not contend for the CPU: nothing was shown"
     assert 0.19 <= own < 0.28, own

@@ -404,6 +404,27 @@ def test_a_slot_at_max_positions_fails_alone(build, tiny_checkpoint):
         same(got, want)
 
 
+@pytest.mark.parametrize("advanced", [True, False], ids=["with-outputs", "none-advanced"])
+def test_a_fault_of_the_other_slots_joins_the_full_slot_s(build, monkeypatch, advanced):
+    """While a full slot is left out, the others' own step fails too: one SlotFault names
+    both, its outputs aligned with the tick's slots (or none, if the others did not advance)."""
+    trt = TrtllmEngine.from_build(build, executor(build, 2), num_slots=2, device="cpu")
+    a, b = (trt.open_slot(SessionSpec(voice="NATF2.pt", sampling=SamplingParams(greedy=True))) for _ in range(2))
+    trt.temporal.positions.length[a] = trt.meta.max_positions
+    whole = trt.step
+
+    def step(slots, pcm):
+        if a in slots:
+            return whole(slots, pcm)
+        raise SlotFault("the other slot's own fault", list(slots), [None] * len(slots) if advanced else None)
+
+    monkeypatch.setattr(trt, "step", step)
+    with pytest.raises(SlotFault) as fault:
+        trt.step([b, a], np.zeros((2, 1920), dtype=np.float32))
+    assert fault.value.slots == (a, b) and "max-positions" in str(fault.value) and "own fault" in str(fault.value)
+    assert fault.value.outputs == ([None, None] if advanced else None)
+
+
 def test_an_install_that_fails_gives_the_slot_back(build, monkeypatch):
     """The engine's context call for a new session raises: the caller hears it, the slot and
     its block ring are free again, and the next open gets the slot."""

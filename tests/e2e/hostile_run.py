@@ -3,8 +3,10 @@ witness session streams real speech at real time on the same front-end worker.
 
 Starts ``hypercorn orchestrator:app`` (one worker, the tiny demo model unless
 PERSONAPLEX_CHECKPOINT says otherwise).  Per attack it records what the server answered, the
-witness's longest pause in audio, the slowest ``/health`` answer (polled every 50 ms from
-another thread) and the worker's resident memory before and after; at the end, whether every
+witness's longest pause in audio, what the server counted of its own costs meanwhile (a
+blocked event loop, a long engine piece, a stalled call: ``orch_support.server_costs``), the
+slowest ``/health`` answer (polled every 50 ms from another thread) and the worker's resident
+memory before and after; at the end, whether every
 slot is free and the log clean.  Prints a table, writes JSON.  Not a test: the figures go in
 docs/RELIABILITY.md.
 
@@ -188,10 +190,11 @@ async def run_attacks(server: Server) -> list[dict[str, Any]]:
     health = HealthProbe(server)
     rows = []
     try:
-        async with StreamingWitness(server) as witness:
+        async with StreamingWitness(server, judge=False) as witness:  # it measures here, the rows judge
             for name, attack in ATTACKS:
                 await asyncio.sleep(1.0)
                 before = rss_mib(worker)
+                costs_before = await asyncio.to_thread(witness.server_costs)
                 health.reset()
                 started = time.monotonic()
                 try:
@@ -199,8 +202,10 @@ async def run_attacks(server: Server) -> list[dict[str, Any]]:
                 except Exception as exc:  # noqa: BLE001 - an attack that breaks the run is a finding
                     answer = f"FAILED: {type(exc).__name__}: {str(exc)[:120]}"
                 await asyncio.sleep(1.0)  # after-effects count too
+                costs = await asyncio.to_thread(witness.server_costs)
                 rows.append({"attack": name, "answer": answer, "seconds": round(time.monotonic() - started, 1),
                              "witness_longest_gap_ms": round(witness.longest_gap_s(started) * 1000, 1),
+                             "server_costs": {k: costs[k] - costs_before[k] for k in costs if costs[k] > costs_before[k]},
                              "health_slowest_ms": round(health.reset() * 1000, 1),
                              "worker_rss_mib": [round(before, 1), round(rss_mib(worker), 1)]})
                 print(f"{name:32s} {rows[-1]['witness_longest_gap_ms']:8.1f} {rows[-1]['health_slowest_ms']:8.1f} "

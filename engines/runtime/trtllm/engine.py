@@ -145,12 +145,21 @@ class TrtllmEngine(EngineRuntime):
         (the caller restarts the full slots and hands the outputs on).  Checked before the
         tick, not in the engine call: by then Mimi and the token ring would have advanced
         every slot, the full ones included.  The form with outputs, not a fault before the
-        step, so the other sessions do not lose this tick."""
+        step, so the other sessions do not lose this tick.  A fault of the others' own step
+        joins this one: its slots are named too, and if none of them advanced, none did."""
         keep = [i for i, slot in enumerate(slots) if slot not in full]
+        message = positions_exhausted(full, self.meta.max_positions)
+        try:
+            kept: Sequence[FrameOutput | None] = self.step([slots[i] for i in keep], pcm[keep])
+        except SlotFault as fault:
+            failed = [*full, *fault.slots]
+            if fault.outputs is None:
+                raise SlotFault(f"{message}; {fault}", failed) from fault
+            kept, full, message = fault.outputs, failed, f"{message}; {fault}"
         outputs: list[FrameOutput | None] = [None] * len(slots)
-        for i, out in zip(keep, self.step([slots[i] for i in keep], pcm[keep]), strict=True):
+        for i, out in zip(keep, kept, strict=True):
             outputs[i] = out
-        raise SlotFault(positions_exhausted(full, self.meta.max_positions), full, outputs)
+        raise SlotFault(message, full, outputs)
 
     def temporal_call(self, slots: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         host_slots = self._tick_slots if self._tick_slots is not None else slots.tolist()
