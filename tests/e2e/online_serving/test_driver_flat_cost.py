@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from orchestrator.load_driver import load, pacing
-from orchestrator.load_driver.metrics import least_squares_slope, percentile_linear
+from orchestrator.load_driver.metrics import least_squares_slope
 
 from .personaplex_realtime_duplex import main
 from .scripted_server import write_tone_wav
@@ -85,10 +85,14 @@ def test_send_lateness_stays_flat_over_3000_frames(scripted_server_process, tmp_
     # Median over the sessions at each frame, then its slope over the stream (ms per 1000 frames).
     per_frame = np.median(lateness, axis=0)
     slope = least_squares_slope(list(range(FRAMES)), per_frame.tolist()) * 1000.0
-    start = percentile_linear(lateness[:, :EDGE].ravel().tolist(), 0.99)
-    end = percentile_linear(lateness[:, -EDGE:].ravel().tolist(), 0.99)
+    # The edges by their typical frame (the median over their frames of the per-frame median): a
+    # cost that grows with the stream moves every frame, a stall of the shared machine only the
+    # few it hits.  Their p99 judged the machine: beside two busy processes, 11.1 ms over the
+    # first 300 frames and 98.5 over the last, with the slope flat (-0.087 ms per 1000 frames).
+    start = float(np.median(per_frame[:EDGE]))
+    end = float(np.median(per_frame[-EDGE:]))
     restarts = sum(row["client_grid_restarts"] for row in result["sessions"])
-    report = (f"slope {slope:.3f} ms/1000 frames, p99 first {EDGE} frames {start:.1f} ms, last {EDGE} {end:.1f} ms, "
+    report = (f"slope {slope:.3f} ms/1000 frames, median first {EDGE} frames {start:.1f} ms, last {EDGE} {end:.1f} ms, "
               f"{restarts} grid restarts")
     print(report)
     assert slope < 1.0, report
