@@ -8,9 +8,8 @@ that part says nothing about the server's code.  Linux counts it per thread
 queue), so subtracting it leaves what the thread's own work and its own waits cost: computing,
 sleeping, waiting on a lock, the interpreter lock, a socket or the GPU.  A callback that blocks
 an event loop shows in full, however busy the host; a host that is merely busy shows little
-(tests/test_own_clock.py).  One way a busy host still shows: a wait on a
-lock (the interpreter lock included) whose holder is itself waiting for a CPU counts as the
-waiter's own time.
+(tests/test_own_clock.py).  One way a busy host still shows: a wait on a lock (the interpreter
+lock included) whose holder is itself waiting for a CPU counts as the waiter's own time.
 
 Where the kernel does not say (not Linux, or no schedstat), the clock is plain wall time.
 """

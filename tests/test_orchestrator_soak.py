@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from tests.soak import run_soak
 
-# Resident memory growth allowed after warm-up.  Measured on the 2-core dev VM (2026-12-04,
-# two runs, 23 sessions each): 0.2 MB.  The same run with each session's input audio kept
-# (a planted leak of ~0.4 MB a session) grew 8.9 MB and fails here: a leak of more than
-# ~0.1 MB per session shows.
+# Resident memory growth allowed after warm-up.  Measured on the 2-core dev VM (2026-12-04):
+# 0.1 MB over 24 sessions; the same run with each session's input audio kept (a planted leak
+# of ~0.4 MB a session) grew 9.0 MB and fails here, so a leak of more than ~0.1 MB per session
+# shows (docs/results/2026-12-04-cpu-soak-short-and-own-clock.log and
+# docs/results/2026-12-04-cpu-soak-short-planted-leak.log).
 MAX_GROWTH_MB = 3.0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from engines.runtime.trtllm.kv_blocks import blocks_per_slot
 from engines.runtime.trtllm.layout import BuildMeta
 from engines.runtime.trtllm.runtime import EngineBindings
 
@@ -140,7 +141,7 @@ class PagedExecutor:
                  tokens_per_block: int) -> None:
         self.ref = ref
         self.tokens_per_block = tokens_per_block
-        blocks = num_slots * -(-window // tokens_per_block)
+        blocks = num_slots * blocks_per_slot(window, tokens_per_block)
         self.pool = torch.zeros(blocks, ref.layers, 2, ref.kv_heads, tokens_per_block, ref.head_size)
         self.bindings = EngineBindings(meta, num_slots, window, tokens_per_block, self.pool)
         self.calls = []

@@ -6,8 +6,9 @@ such piece is what the worker's code costs its sessions in lag.  A timer due eve
 that other processes held: ``OwnClock`` leaves the latter out, so the recorded block
 (``personaplex_event_loop_blocked_seconds``) is the worker's own doing (a callback that
 computes, a blocking call, a lock, the interpreter lock held by a codec thread) and stays small
-on a host that is merely busy (a lock whose holder waits for a CPU is the one way the host shows).  The wall-clock lag (``personaplex_event_loop_lag_seconds``)
-is sampled too, less often: it is what sessions felt, host included.
+on a host that is merely busy (a lock whose holder waits for a CPU is the one way the host
+shows).  The wall-clock lag (``personaplex_event_loop_lag_seconds``) is sampled too, less
+often: it is what sessions felt, host included.
 """
 
 from __future__ import annotations
