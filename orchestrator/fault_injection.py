@@ -134,6 +134,11 @@ class FaultyEngine:
         self._victims.pop(slot, None)
         self.inner.close_slot(slot)
 
+    def close_slots(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self._victims.pop(slot, None)
+        self.inner.close_slots(slots)
+
     def restart_slot(self, slot: int, prefill: Any = None) -> None:
         victim = self._victims.get(slot)
         if victim is not None and victim.restart_due:

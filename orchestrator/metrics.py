@@ -105,7 +105,19 @@ class Metrics:
             ["kind"], buckets=TICK_BUCKETS_S, registry=reg)
         self._frame_latency = prom.Histogram(
             "personaplex_frame_latency_seconds", "A client frame's arrival at the socket to its output frame "
-            "leaving the socket, per device.", ["device"], buckets=FRAME_LATENCY_BUCKETS_S, registry=reg)
+            "leaving the socket, per device and protocol (realtime, native).", ["device", "protocol"],
+            buckets=FRAME_LATENCY_BUCKETS_S, registry=reg)
+        self._sessions_active = prom.Gauge(
+            "personaplex_sessions_active", "Sessions open on the front-end workers, by protocol (realtime, native).",
+            ["protocol"], registry=reg, multiprocess_mode="livesum")
+        # Declared by the front-end workers only (declare_worker): one series per worker.
+        self._worker_sessions: Any = None
+        self._opus_cpu = prom.Counter(
+            "personaplex_opus_cpu_seconds", "CPU time of the workers' Opus threads (their own thread time), by "
+            "direction (encode: the model's frames, decode: the clients' pages).", ["direction"], registry=reg)
+        self._opus_queue = prom.Gauge(
+            "personaplex_opus_queue_frames", "Frames asked of a worker's Opus encoding threads and not yet handed "
+            "back, the busiest worker's (sampled at each hand-back).", registry=reg, multiprocess_mode="livemax")
         self._loop_lag = prom.Histogram(
             "personaplex_event_loop_lag_seconds", "How late a front-end worker's event loop ran a timer due now "
             "(sampled twice a second per worker).", buckets=LOOP_LAG_BUCKETS_S, registry=reg)
@@ -122,11 +134,14 @@ class Metrics:
         self._declared = [m for metric in (*self._counters.values(), self._ticks, self._tick_seconds, self._batch,
                                            self._device_tick_seconds, self._device_batch, self._engine_job_seconds,
                                            self._engine_job_own_seconds,
-                                           self._frame_latency,
-                                           self._loop_lag, self._loop_blocked, self._loop_tasks, self._batch_fill)
+                                           self._frame_latency, self._sessions_active,
+                                           self._opus_cpu, self._opus_queue, self._loop_lag, self._loop_blocked, self._loop_tasks, self._batch_fill)
                           for m in metric.describe()]
         for protocol in PROTOCOLS:  # listed from the start, as the unlabelled counters are
             self._counters["sessions_opened"].labels(protocol)
+            self._sessions_active.labels(protocol)
+        for direction in ("encode", "decode"):
+            self._opus_cpu.labels(direction)
         # Gauges read at scrape time from this worker's view of the engines.
         self.live_sessions: Callable[[], int] = lambda: 0
         self.free_slots: Callable[[], int] = lambda: 0
@@ -170,10 +185,33 @@ class Metrics:
         """List a device's histograms before its first tick."""
         self._device_tick_seconds.labels(device)
         self._device_batch.labels(device)
-        self._frame_latency.labels(device)
+        for protocol in PROTOCOLS:
+            self._frame_latency.labels(device, protocol)
 
-    def observe_frame_latency(self, device: str, seconds: float) -> None:
-        self._frame_latency.labels(device).observe(seconds)
+    def observe_frame_latency(self, device: str, protocol: str, seconds: float) -> None:
+        self._frame_latency.labels(device, protocol).observe(seconds)
+
+    def declare_worker(self) -> None:
+        """This process is a front-end worker: list its own session count (0 until one opens),
+        so that the busiest worker's share counts the idle ones."""
+        if self._worker_sessions is None:
+            self._worker_sessions = self._prom.Gauge(
+                "personaplex_worker_sessions", "Sessions open on each front-end worker (one series per worker "
+                "pid; the busiest worker's share is max over mean).", registry=self.registry,
+                multiprocess_mode="liveall")
+            self._declared.extend(self._worker_sessions.describe())
+
+    def session_count(self, protocol: str, delta: int) -> None:
+        """A session of ``protocol`` opened (+1) or closed (-1) on this worker."""
+        self._sessions_active.labels(protocol).inc(delta)
+        self.declare_worker()
+        self._worker_sessions.inc(delta)
+
+    def observe_opus(self, direction: str, cpu_seconds: float, queued_frames: int | None = None) -> None:
+        """CPU time an Opus thread spent on a batch; ``queued_frames``: encodes still waiting."""
+        self._opus_cpu.labels(direction).inc(cpu_seconds)
+        if queued_frames is not None:
+            self._opus_queue.set(queued_frames)
 
     def observe_loop(self, lag_s: float, tasks: int) -> None:
         self._loop_lag.observe(lag_s)

@@ -5,8 +5,10 @@ hypercorn's own master (``hypercorn --workers K``) stops every worker as soon as
 with an error, so one crashed worker ends every session of the server.  This master takes
 the same arguments (it is hypercorn's parser; only the supervision differs) and:
 
-- starts K workers on the shared listening sockets (hypercorn's ``asyncio`` worker, or
-  ``uvloop`` with ``-k uvloop``);
+- accepts every connection itself and hands it to the serving worker that holds the fewest
+  live connections (``handoff.py``: with one socket shared by K workers a burst of
+  connections lands on two or three of them); the K workers run hypercorn's connection
+  handling on an ``asyncio`` loop (``uvloop`` with ``-k uvloop``);
 - replaces a worker that exits while the server is serving (after a pause that grows while
   workers keep dying within ``QUICK_DEATH_S`` of their start): the engine processes free
   the dead worker's sessions, and the other workers' sessions are not touched;
@@ -48,37 +50,61 @@ def supervise(config: Any) -> int:
     """Run ``config.workers`` workers and keep them running until SIGTERM/SIGINT."""
     from hypercorn.asyncio.run import asyncio_worker, uvloop_worker
 
+    from .handoff import Dispatcher, serve_worker
+
     if config.worker_class not in ("asyncio", "uvloop"):
         raise SystemExit(f"orchestrator.serve: worker class {config.worker_class!r} is not supported "
                          "(asyncio or uvloop)")
-    target = uvloop_worker if config.worker_class == "uvloop" else asyncio_worker
     try:
         sockets = config.create_sockets()
     except OSError as exc:
         log.error("cannot start: cannot listen on %s: %s (is another server using it? choose another with "
                   "--bind HOST:PORT)", ", ".join(config.bind), exc.strerror or exc)
         return START_FAILED_EXIT
+    # The master accepts and hands each connection to the worker holding the fewest
+    # (handoff.py); QUIC stays on hypercorn's workers, which share the sockets.
+    dispatcher = None
+    if not sockets.quic_sockets:
+        try:
+            dispatcher = Dispatcher([(sock, True) for sock in sockets.secure_sockets]
+                                    + [(sock, False) for sock in sockets.insecure_sockets], config.backlog)
+        except OSError as exc:
+            log.error("cannot start: cannot listen on %s: %s", ", ".join(config.bind), exc.strerror or exc)
+            return START_FAILED_EXIT
     context = multiprocessing.get_context("spawn")
     shutdown = context.Event()
     stopping: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
         stopping.append(signum)
+        if dispatcher is not None:
+            dispatcher.stop_accepting()
         shutdown.set()
 
     # Workers inherit an ignored SIGINT: Ctrl-C reaches the master, which shuts them down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    workers: dict[Any, float] = {}  # process -> start time
+    workers: dict[Any, tuple[float, int]] = {}  # process -> (start time, slot)
     quick_deaths = 0
 
-    def start_worker() -> None:
-        process = context.Process(target=target, kwargs={"config": config, "sockets": sockets,
-                                                         "shutdown_event": shutdown})
+    def start_worker(slot: int) -> None:
+        kwargs: dict[str, Any] = {"config": config, "sockets": sockets, "shutdown_event": shutdown}
+        if dispatcher is None:
+            target: Any = uvloop_worker if config.worker_class == "uvloop" else asyncio_worker
+            channel = None
+        else:
+            target = serve_worker
+            channel = kwargs["channel"] = dispatcher.attach(slot)
+            kwargs["worker_class"] = config.worker_class
+        process = context.Process(target=target, kwargs=kwargs)
         process.start()
-        workers[process] = time.monotonic()
+        if channel is not None:
+            channel.close()  # the worker has its own copy
+        workers[process] = (time.monotonic(), slot)
 
-    for _ in range(max(1, config.workers)):
-        start_worker()
+    if dispatcher is not None:
+        dispatcher.start()
+    for slot in range(max(1, config.workers)):
+        start_worker(slot)
     for signame in ("SIGINT", "SIGTERM"):
         signal.signal(getattr(signal, signame), on_signal)
     exitcode = 0
@@ -87,10 +113,17 @@ def supervise(config: Any) -> int:
     while workers:
         ended = wait([p.sentinel for p in workers], timeout=0.5)
         now = time.monotonic()
-        served = served or any(now - started >= QUICK_DEATH_S for started in workers.values())
+        served = served or any(now - started >= QUICK_DEATH_S for started, _ in workers.values())
+        if dispatcher is not None and dispatcher.failed and not shutdown.is_set():
+            shutdown.set()  # nothing accepts connections any more: end, and let the supervisor restart us
+            exitcode = 1
+        if shutdown.is_set() and dispatcher is not None:
+            dispatcher.stop_accepting()
         for process in [p for p in list(workers) if p.sentinel in ended]:
-            started = workers.pop(process)
+            started, slot = workers.pop(process)
             process.join()
+            if dispatcher is not None:
+                dispatcher.detach(slot)
             if shutdown.is_set():
                 exitcode = exitcode or (process.exitcode if process.exitcode and process.exitcode > 0 else 0)
                 continue
@@ -118,7 +151,9 @@ def supervise(config: Any) -> int:
                 exitcode = 1
                 continue
             time.sleep(delay)
-            start_worker()
+            start_worker(slot)
+    if dispatcher is not None:
+        dispatcher.join()
     for sock in [*sockets.secure_sockets, *sockets.insecure_sockets]:
         sock.close()
     return exitcode

@@ -55,6 +55,7 @@ SESSION_MEMORY_GB = {
 AUTH_MODES = ("auto", "required", "off")
 ENGINE_HOSTS = ("process", "thread")
 REFUSE_WHEN_FULL_MODES = ("event", "http")
+OPUS_CODECS = ("auto", "libopus", "sphn")
 
 
 class StartupError(Exception):
@@ -141,6 +142,15 @@ class Settings:
     max_pending_input_bytes: int = 16 * 1024 * 1024  # queued input (float32 at 24 kHz)
     max_output_buffer_bytes: int = 32 * 1024 * 1024  # unsent server events per session
     close_timeout_s: float = 5.0  # how long a closing session may take to flush its events
+    # /api/chat's Opus (orchestrator/protocol/ogg_opus.py): "libopus" (our binding; encoding
+    # and decoding run without the interpreter lock, on as many cores as there are codec
+    # threads), "sphn" (holds the lock while it encodes: a worker's encodes run one at a time
+    # and its event loop waits behind them), or "auto": libopus where it loads, else sphn.
+    opus_codec: str = "auto"
+    opus_library: str | None = None  # libopus's file; None = the system's (Debian libopus0)
+    # Threads per front-end worker that encode its native sessions' output (each session's
+    # frames stay on one thread, in order); a tick's encodes are split between them.
+    opus_encode_threads: int = 2
     api_keys: tuple[str, ...] = ()  # accepted "Authorization: Bearer" keys; empty = open
     model_name: str | None = None  # model id to report; None = the engine's name
     # Access control (orchestrator/frontend/access.py, docs/RELIABILITY.md) ---------------------------
@@ -247,6 +257,8 @@ class Settings:
             positive(name, allow_zero=True)
         positive("cpu_threads", allow_zero=True)
         positive("max_instructions_chars")
+        positive("opus_encode_threads")
+        self._check_opus()
         if self.refuse_when_full not in REFUSE_WHEN_FULL_MODES:
             raise SettingsError(f"{env_name('refuse_when_full')} must be one of {', '.join(REFUSE_WHEN_FULL_MODES)}, "
                                 f"got {self.refuse_when_full!r}")
@@ -254,6 +266,30 @@ class Settings:
             raise SettingsError(f"{env_name('voice_dir')}={self.voice_dir!r} is not a directory")
         if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
             raise SettingsError(f"{env_name('api_keys_file')}={self.api_keys_file!r} is not a file")
+
+    def _check_opus(self) -> None:
+        if self.opus_codec not in OPUS_CODECS:
+            raise SettingsError(f"{env_name('opus_codec')} must be one of {', '.join(OPUS_CODECS)}, "
+                                f"got {self.opus_codec!r}")
+        if self.opus_codec == "libopus" or self.opus_library is not None:
+            from .protocol import libopus
+
+            try:
+                libopus.load(self.opus_library)
+            except libopus.OpusUnavailable as exc:
+                raise SettingsError(f"{env_name('opus_codec')}={self.opus_codec}: {exc}") from None
+
+    def resolved_opus_codec(self) -> str:
+        """The codec ``opus_codec`` names, ``auto`` resolved on this machine."""
+        if self.opus_codec != "auto":
+            return self.opus_codec
+        from .protocol import libopus
+
+        try:
+            libopus.load(self.opus_library)
+        except libopus.OpusUnavailable:
+            return "sphn"
+        return "libopus"
 
     def engine_kwargs(self, device: str) -> dict[str, Any]:
         """What ``engines.runtime.factory.create_engine`` takes, besides the checkpoint, for the

@@ -143,11 +143,20 @@ def test_speech_in_audio_and_text_out(native_server: Server):
     assert native_server.metric('personaplex_sessions_opened_total{protocol="native"}') == opened + 1
 
 
+ROUTE_SERIES = ('personaplex_frame_latency_seconds_count{device="cpu",protocol="native"}',
+                'personaplex_frame_latency_seconds_count{device="cpu",protocol="realtime"}',
+                'personaplex_opus_cpu_seconds_total{direction="encode"}',
+                'personaplex_opus_cpu_seconds_total{direction="decode"}')
+
+
 def test_native_and_realtime_sessions_share_ticks(native_server: Server):
     """One session of each protocol streaming at once: the Realtime session's deltas say
-    their ticks stepped two sessions."""
+    their ticks stepped two sessions.  /metrics counts them by route: one live session of
+    each (and one per worker series), each frame's latency under its own protocol, and the
+    native session's Opus work as the codec threads' CPU time."""
     native_server.wait_free_slots(2)
     frames = speech_frames(30)
+    before = native_server.metrics(*ROUTE_SERIES)
 
     async def scenario():
         native = await NativeClient.connect(url(native_server))
@@ -160,12 +169,24 @@ def test_native_and_realtime_sessions_share_ticks(native_server: Server):
             await asyncio.sleep(0.02)
         await realtime.wait_audio_frames(len(frames), ANSWER_TIMEOUT_S)
         await native.wait_for(lambda: native.audio_frames() >= len(frames), ANSWER_TIMEOUT_S)
+        status, text = await asyncio.to_thread(native_server.get, "/metrics")
         for client in (native, realtime):
             await client.close()
-        return [d["metadata"]["timing"]["batch_size"] for d in realtime.audio()]
+        return [d["metadata"]["timing"]["batch_size"] for d in realtime.audio()], text
 
-    sizes = run(scenario())
+    sizes, live = run(scenario())
     assert sizes.count(2) >= len(sizes) // 2, sizes
+    assert 'personaplex_sessions_active{protocol="native"} 1.0' in live
+    assert 'personaplex_sessions_active{protocol="realtime"} 1.0' in live
+    per_worker = [float(line.rsplit(" ", 1)[1]) for line in live.splitlines()
+                  if line.startswith("personaplex_worker_sessions{")]
+    assert sum(per_worker) == 2 and len(per_worker) == 2, per_worker  # two workers' series
+    after = native_server.metrics(*ROUTE_SERIES)
+    assert after[0] - before[0] >= len(frames) and after[1] - before[1] >= len(frames), (before, after)
+    # The encoding ran on the codec threads (their CPU time counts it): encoding a frame takes
+    # hundreds of microseconds, the threads' bookkeeping a few.  Encoding on the loop's
+    # thread would leave the threads ~nothing per frame.
+    assert (after[2] - before[2]) / len(frames) > 1e-4 and after[3] > before[3], (before, after)
 
 
 def test_the_session_over_capacity_is_refused_and_a_freed_slot_serves(native_server: Server):

@@ -1,7 +1,8 @@
 """Ogg/Opus streams of the native protocol (orchestrator/protocol/ogg_opus.py) with the real
-codec: real speech through the encoder, back through the decoder in arbitrary chunks, and
-bytes that are not Ogg refused with a typed error.  Runs on the installed sphn (0.1's API and
-0.2's differ; the classes hide which)."""
+codecs: real speech through the encoder, back through the decoder in arbitrary chunks, and
+bytes that are not Ogg refused with a typed error.  Every test runs on both codecs: libopus
+through our binding, and the installed sphn (0.1's API and 0.2's differ; the classes hide
+which)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,19 @@ import numpy as np
 import pytest
 
 from engines.config import FRAME_SAMPLES
+from orchestrator.protocol import libopus, ogg_opus
 from orchestrator.protocol.audio import AudioError
 from orchestrator.protocol.ogg_opus import OggOpusDecoder, OggOpusEncoder
 from tests.native_support import ogg_page, page_ids
+
+
+@pytest.fixture(params=ogg_opus.CODECS, autouse=True)
+def codec(request, monkeypatch) -> str:
+    """The codec every encoder and decoder of the test uses (``default_codec``)."""
+    if request.param == "libopus" and not libopus.available():
+        pytest.skip("libopus is not installed here (Debian: libopus0)")
+    monkeypatch.setattr(ogg_opus, "default_codec", lambda: request.param)
+    return request.param
 
 
 def _decode_all(decoder: OggOpusDecoder, chunks: list[bytes], expected: int, wait_s: float = 5.0) -> np.ndarray:
@@ -88,28 +99,28 @@ def test_garbage_after_good_pages_is_refused_on_either_sphn():
         decoder.close()
 
 
-def test_the_codec_thread_batches_encodes_and_hands_decoded_audio_back(speech_pcm):
+def test_the_codec_threads_batch_encodes_and_hand_decoded_audio_back(speech_pcm, codec):
     """Frames asked for in one pass of the loop are one job: the pages equal encoding each
     stream alone, in order; one stream's failure stays its own.  Decoding hands back all
     the PCM (sphn 0.1 decodes on a thread of its own: the codec thread polls it), and a
     stream that is not Ogg its typed error."""
     import asyncio
 
-    from orchestrator.frontend.codec_thread import CodecThread
+    from orchestrator.frontend.codec_threads import CodecThreads
     from orchestrator.protocol.ogg_opus import split_pages
 
     frames = (speech_pcm[: 6 * FRAME_SAMPLES].reshape(6, FRAME_SAMPLES) * 32767).astype(np.int16)
 
     async def scenario():
-        codec = CodecThread(asyncio.get_running_loop())
+        threads = CodecThreads(asyncio.get_running_loop(), codec=codec, encode_threads=2)
         got: dict[int, list] = {0: [], 1: [], 2: []}
         try:
             streams = [OggOpusEncoder() for _ in range(3)]
             for t in range(2):
                 for i in range(3):
-                    codec.encode(streams[i], frames[2 * i + t], got[i].append)
-            codec.encode(streams[0], frames[0][:100], got[0].append)  # not a frame: this stream's error
-            codec.encode(streams[1], frames[5], got[1].append)
+                    threads.encode(streams[i], frames[2 * i + t], got[i].append)
+            threads.encode(streams[0], frames[0][:100], got[0].append)  # not a frame: this stream's error
+            threads.encode(streams[1], frames[5], got[1].append)
             while sum(map(len, got.values())) < 8:
                 await asyncio.sleep(0.01)
             for i in range(3):
@@ -123,20 +134,20 @@ def test_the_codec_thread_batches_encodes_and_hands_decoded_audio_back(speech_pc
             decoded: list = []
             decoder = OggOpusDecoder()
             for cut in range(0, len(stream), 100):
-                codec.decode(decoder, stream[cut:cut + 100], decoded.append)
+                threads.decode(decoder, stream[cut:cut + 100], decoded.append)
             deadline = time.monotonic() + 5
             while sum(len(x) for x in decoded) < 2 * FRAME_SAMPLES and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             assert sum(len(x) for x in decoded) == 2 * FRAME_SAMPLES
-            codec.close(decoder)
+            threads.close(decoder)
 
             refused: list = []
-            codec.decode(OggOpusDecoder(), b"not an ogg stream", refused.append)
+            threads.decode(OggOpusDecoder(), b"not an ogg stream", refused.append)
             while not refused:
                 await asyncio.sleep(0.01)
             assert isinstance(refused[0], AudioError) and refused[0].code == "bad_audio"
         finally:
-            codec.stop()
+            threads.stop()
 
     asyncio.run(scenario())
 
@@ -180,12 +191,12 @@ def split_opus(stream: bytes) -> list[bytes]:
     return split_pages(stream)[2:]
 
 
-def test_one_broken_stream_does_not_cost_the_others_their_audio(speech_pcm):
+def test_one_broken_stream_does_not_cost_the_others_their_audio(speech_pcm, codec):
     """A stream that sphn can no longer take (its decoder stopped on a bad page) fails alone
     (bad_audio); another stream's audio in the same batches is all handed back."""
     import asyncio
 
-    from orchestrator.frontend.codec_thread import CodecThread
+    from orchestrator.frontend.codec_threads import CodecThreads
 
     frames = speech_pcm[: 8 * FRAME_SAMPLES].reshape(8, FRAME_SAMPLES)
     encoder = OggOpusEncoder()
@@ -196,14 +207,14 @@ def test_one_broken_stream_does_not_cost_the_others_their_audio(speech_pcm):
     bad_page = ogg_page([bytes([0xFF, 0x00])], sequence=sequence, serial=serial)
 
     async def scenario():
-        codec = CodecThread(asyncio.get_running_loop())
+        threads = CodecThreads(asyncio.get_running_loop(), codec=codec, encode_threads=2)
         healthy, broken = OggOpusDecoder(), OggOpusDecoder()
         got: list = []
         failed: list = []
         try:
             for i, chunk in enumerate(per_frame):
-                codec.decode(healthy, chunk, got.append)
-                codec.decode(broken, bytes(bad_page) if i == 2 else chunk, failed.append)
+                threads.decode(healthy, chunk, got.append)
+                threads.decode(broken, bytes(bad_page) if i == 2 else chunk, failed.append)
                 await asyncio.sleep(0.02)
             deadline = time.monotonic() + 5
             while sum(len(x) for x in got) < 8 * FRAME_SAMPLES and time.monotonic() < deadline:
@@ -211,9 +222,66 @@ def test_one_broken_stream_does_not_cost_the_others_their_audio(speech_pcm):
             assert sum(len(x) for x in got) == 8 * FRAME_SAMPLES
             errors = [x for x in failed if isinstance(x, AudioError)]
             assert errors and {e.code for e in errors} == {"bad_audio"}
-            codec.close(healthy)
-            codec.close(broken)
+            threads.close(healthy)
+            threads.close(broken)
         finally:
-            codec.stop()
+            threads.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_burst_of_encodes_leaves_the_event_loop_running(codec):
+    """While a worker's Opus threads encode a burst of frames (a tick's worth for many
+    sessions), its event loop keeps running: it is never held for long at a time, and it
+    waits for the interpreter lock only a small part of the time.  Both are measured on the
+    loop's own clock (wall time less its waits for a CPU: a busy machine does not count), the
+    lock wait as own time not spent computing.  libopus releases the lock while it encodes and
+    passes; sphn holds it for each encode, and the same measurement catches it (its loop waits
+    for the lock most of the burst).  Encoding on the loop's thread would hold the loop for the
+    whole burst and fail the first check."""
+    import asyncio
+
+    from orchestrator.frontend.codec_threads import CodecThreads
+    from orchestrator.own_clock import OwnClock
+    from tests.e2e.online_serving.opus_codec_bench import noise_frames
+
+    frames = (noise_frames(48) * 32767).astype(np.int16)  # noise: the dearest audio to encode
+
+    async def burst(threads: CodecThreads, encoders: list) -> tuple[float, float]:
+        """The loop's longest own-time gap between passes, and the part of its own time spent
+        waiting (for the lock), while the burst is encoded."""
+        done: list = []
+        clock = OwnClock()
+        try:
+            for encoder, frame in zip(encoders, frames):
+                threads.encode(encoder, frame, done.append)
+            started_own, started_cpu = clock.now(), time.thread_time()
+            last, longest = started_own, 0.0
+            while len(done) < len(frames):
+                await asyncio.sleep(0)
+                now = clock.now()
+                longest, last = max(longest, now - last), now
+                for _ in range(200):  # the loop's own work between passes
+                    pass
+            own, cpu = clock.now() - started_own, time.thread_time() - started_cpu
+        finally:
+            clock.close()
+        assert all(isinstance(pages, list) for pages in done)
+        return longest, max(0.0, own - cpu) / own
+
+    async def scenario() -> list[tuple[float, float]]:
+        threads = CodecThreads(asyncio.get_running_loop(), codec=codec, encode_threads=2)
+        encoders = [threads.new_encoder() for _ in frames]
+        try:
+            return [await burst(threads, encoders) for _ in range(3)]
+        finally:
+            threads.stop()
+
+    results = asyncio.run(scenario())
+    longest = max(gap for gap, _ in results)
+    waiting = min(share for _, share in results)
+    if codec == "libopus":
+        assert longest < 0.010, results  # a burst is ~30 ms of encoding (48 x ~0.7 ms)
+        assert waiting < 0.3, results
+    else:
+        assert waiting > 0.3, results  # the lock held for each encode: the check can fail

@@ -118,7 +118,7 @@ def test_admission_is_global_and_every_session_streams(two_workers: Server):
     server.wait_free_slots(MAX_SESSIONS)
     # Counted once each, across workers: the two refused above, and any the opens retried.
     assert server.metric("personaplex_sessions_refused_total") == 2 + len(retried)
-    assert server.metric('personaplex_frame_latency_seconds_count{device="cpu"}') >= MAX_SESSIONS * len(frames)
+    assert server.metric('personaplex_frame_latency_seconds_count{device="cpu",protocol="realtime"}') >= MAX_SESSIONS * len(frames)
     assert server.metric('personaplex_device_tick_duration_seconds_count{device="cpu"}') >= len(frames)
 
 
@@ -207,8 +207,10 @@ def test_a_worker_killed_loses_only_its_own_sessions(launcher: str):
         server.stop()
 
 
-def test_sigterm_drains_every_worker_and_stops_the_engines():
-    server = Server(workers=2, max_sessions=MAX_SESSIONS, warmup_frames=2)
+@pytest.mark.parametrize("launcher", ["hypercorn", "personaplex"])
+def test_sigterm_drains_every_worker_and_stops_the_engines(launcher: str):
+    """hypercorn's master, and ours, whose workers are handed their connections."""
+    server = Server(workers=2, launcher=launcher, max_sessions=MAX_SESSIONS, warmup_frames=2)
     try:
         server.wait_free_slots(MAX_SESSIONS)
         engine_pid = _engine(server)["engine_pid"]
@@ -228,6 +230,69 @@ def test_sigterm_drains_every_worker_and_stops_the_engines():
         base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
         run_dir = base / f"personaplex-serve-{os.getuid()}" / str(server.proc.pid)
         _wait(lambda: not run_dir.exists(), what=f"{run_dir} to be removed")
+    finally:
+        server.stop()
+
+
+def _established(port: int) -> set[int]:
+    """Socket inodes of the established TCP connections whose local port is ``port``."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(int(fields[9]))
+    return inodes
+
+
+def _connections_by_worker(server: Server) -> dict[int, int]:
+    """How many of the server's established connections each worker process holds."""
+    master = server.proc.pid
+    children = [int(pid) for pid in Path(f"/proc/{master}/task/{master}/children").read_text().split()]
+    workers = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    live = _established(server.port)
+    held = {}
+    for pid in workers:
+        fds = Path(f"/proc/{pid}/fd")
+        links = {os.readlink(fds / fd) for fd in os.listdir(fds)}
+        held[pid] = len({int(link[8:-1]) for link in links if link.startswith("socket:[")} & live)
+    return held
+
+
+def test_a_burst_of_connections_is_spread_evenly_over_the_workers():
+    """orchestrator.serve's master accepts every connection and hands it to the worker
+    holding the fewest (orchestrator/handoff.py): 16 websockets opened at once land 8 and 8;
+    after 8 of them close, however they fell, 8 new ones refill the workers to 8 and 8.
+    (With one listening socket shared by the workers a burst lands on one or two of them:
+    16 and 0 here.)"""
+    import websockets
+
+    server = Server(workers=2, launcher="personaplex", max_sessions=MAX_SESSIONS, warmup_frames=2,
+                    first_message_timeout_s=60)
+    try:
+        async def connect(n: int) -> list:
+            return list(await asyncio.gather(*(websockets.connect(server.ws + "/v1/realtime?duplex=1")
+                                                for _ in range(n))))
+
+        def held(n: int) -> dict[int, int]:
+            _wait(lambda: sum(_connections_by_worker(server).values()) == n, what=f"{n} connections held")
+            return _connections_by_worker(server)
+
+        async def scenario() -> list[dict[int, int]]:
+            first = await connect(16)
+            spread = held(16)
+            for ws in first[:8]:
+                await ws.close()
+            after_close = held(8)
+            second = await connect(8)
+            refilled = held(16)
+            for ws in first[8:] + second:
+                await ws.close()
+            return [spread, after_close, refilled]
+
+        spread, after_close, refilled = run(scenario())
+        assert sorted(spread.values()) == [8, 8], spread
+        assert sorted(refilled.values()) == [8, 8], (after_close, refilled)
     finally:
         server.stop()
 

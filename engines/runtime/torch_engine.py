@@ -320,6 +320,9 @@ class PersonaPlexEngine(EngineRuntime):
     def release_context(self, slot: int) -> None:
         self.kv.reset(torch.tensor([slot], device=self.device))
 
+    def release_contexts(self, slots: list[int], idx: torch.Tensor) -> None:
+        self.kv.reset(idx)
+
     def encode_user(self, slots: torch.Tensor, pcm: torch.Tensor) -> torch.Tensor:
         return self.mimi.encode_step_unchecked(slots, pcm)
 

@@ -31,7 +31,8 @@ from .close_codes import REFUSAL_CLOSE_CODES, REFUSAL_DEFAULT, SESSION_CLOSE_COD
 from .engine_pool import DeviceEngine
 from .limits import EventRate
 from .services import Services
-from .session import Session, send_outbox
+from .session import Session
+from .session_core import send_outbox
 
 log = logging.getLogger(__name__)
 
@@ -171,10 +172,9 @@ class Connection:
             config = dataclasses.replace(config, model=services.model_name)
         session = Session(session_id, config, scheduler=engine.scheduler, settings=self.settings,
                           metrics=services.metrics, caps=services.caps)
-        services.sessions[session_id] = session
+        services.add_session(session)
         if services.draining:  # the drain began while the slot was being prepared
             session.request_stop("shutdown")
-        services.metrics.inc("sessions_opened", "realtime")
         log.info("session %s opened on %s (voice=%s)", session_id, engine.label, config.voice)
         session.emit({"type": "session.created", "session": session.public()}, journal=False)
         session.emit({"type": "session.updated", "session": session.public()})

@@ -37,7 +37,7 @@ from .close_codes import REFUSAL_CLOSE_CODES, REFUSAL_DEFAULT, SESSION_CLOSE_COD
 from .engine_pool import DeviceEngine
 from .limits import EventRate
 from .native_session import PROTOCOL, NativeSession
-from .session import send_outbox
+from .session_core import send_outbox
 from .services import Services
 
 log = logging.getLogger(__name__)
@@ -103,10 +103,9 @@ class NativeConnection:
         except BaseException:  # e.g. no thread left for the stream's decoder: give the slot back
             engine.close(session_id)
             raise
-        services.sessions[session_id] = session
+        services.add_session(session)
         if services.draining:  # the drain began while the slot was being prepared
             session.request_stop("shutdown")
-        services.metrics.inc("sessions_opened", PROTOCOL)
         log.info("native session %s opened on %s (voice=%s)", session_id, engine.label, spec.voice)
         session.send_handshake()  # the prompt is in: the client may start talking
         return session

@@ -32,6 +32,7 @@ from ..fault_injection import with_fault_injection
 from ..ipc.endpoints import default_run_dir, metrics_dir, server_group_pid
 from ..lockstep.scheduler import EngineCall, FrameFailure, FrameResult
 from ..metrics import Metrics
+from ..protocol import libopus
 from ..protocol.errors import ProtocolError
 from ..protocol.events import capabilities
 from ..settings import Settings
@@ -40,7 +41,7 @@ from .engine_pool import DeviceEngine, EngineFactory, EnginePool
 from .limits import ClientLimits, Refusal
 from .listeners import ListenerWatch, find_listeners
 from .loop_watch import watch_event_loop
-from .codec_thread import CodecThread
+from .codec_threads import CodecThreads
 from .native_session import NativeSession
 from .session import Session
 
@@ -68,7 +69,7 @@ class Services:
         self.shutdown_started = asyncio.Event()
         self._tasks: list[asyncio.Future] = []
         self.sessions: dict[str, Session | NativeSession] = {}  # open sessions of both protocols, by id
-        self._codec: CodecThread | None = None  # the native sessions' Opus work, from the first one on
+        self._codec: CodecThreads | None = None  # the native sessions' Opus work, from the first one on
         self.in_process = engine_factory is not None or settings.engine_host == "thread"
         # One worker logs what concerns the whole server (the one that started the engine host).
         self.speaks_for_server = self.in_process
@@ -116,6 +117,7 @@ class Services:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.metrics.declare_worker()
         if self.settings.checkpoint is None:
             log.warning("PERSONAPLEX_CHECKPOINT is not set: serving the embedded default, an UNTRAINED tiny demo "
                         "model (its speech is noise). To serve real weights set PERSONAPLEX_CHECKPOINT to a "
@@ -235,12 +237,19 @@ class Services:
                 refused_by.append(engine)
                 log.info("session %s: %s is full; placing it again", session_id, engine.label)
 
+    def add_session(self, session: Session | NativeSession) -> None:
+        """A session is open on this worker: the ticks' results, stalls and the drain reach it."""
+        self.sessions[session.id] = session
+        self.metrics.inc("sessions_opened", session.protocol)
+        self.metrics.session_count(session.protocol, +1)
+
     def close_session(self, session: Session | NativeSession, engine: DeviceEngine, protocol: str,
                       reason: str) -> concurrent.futures.Future:
         """Stop a session of either protocol and free its engine slot (its admission slot
         follows the engine's close); the future of that close.  Call once per session."""
         session.begin_close()
-        self.sessions.pop(session.id, None)
+        if self.sessions.pop(session.id, None) is not None:
+            self.metrics.session_count(session.protocol, -1)
         self.metrics.inc("sessions_closed", (protocol, reason))
         log.info("%s session %s closed (%s)", protocol, session.id, reason)
         return engine.close(session.id)
@@ -254,13 +263,23 @@ class Services:
         except Exception:  # noqa: BLE001 - the client is told regardless
             log.warning("session %s: engine cleanup did not finish within %.1f s", session_id, timeout)
 
-    def codec(self) -> CodecThread:
-        """This worker's Opus thread (started by its first native session)."""
+    def codec(self) -> CodecThreads:
+        """This worker's Opus threads (started by its first native session)."""
         if self._codec is None:
-            self._codec = CodecThread(asyncio.get_running_loop())
-            # sphn holds the interpreter lock while it encodes; between its calls the event loop
-            # should get the lock back at once, not after the default 5 ms switch interval.
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+            codec = self.settings.resolved_opus_codec()
+            if codec == "libopus":
+                libopus.use(self.settings.opus_library)
+            else:
+                log.warning("native sessions' Opus runs on sphn, which holds the interpreter lock while it "
+                            "encodes (%s): this worker's encodes run one at a time and its event loop waits "
+                            "behind them; install libopus (Debian: libopus0) for the faster codec",
+                            "PERSONAPLEX_OPUS_CODEC=sphn" if self.settings.opus_codec == "sphn" else "no libopus")
+                # Between sphn's calls the event loop should get the lock back at once, not after
+                # the default 5 ms switch interval.
+                sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+            self._codec = CodecThreads(asyncio.get_running_loop(), codec=codec,
+                                       encode_threads=self.settings.opus_encode_threads, metrics=self.metrics)
+            log.info("native sessions' Opus: %s, %d encoding thread(s)", codec, self.settings.opus_encode_threads)
         return self._codec
 
     def count_refusal(self, reason: str) -> None:

@@ -1,26 +1,25 @@
 """One open session on the event loop: its configuration, epochs, responses and queues.
 
 A ``Session`` turns client events into scheduler commands and engine frames into server
-events.  It never awaits: every handler runs to completion on the loop, so the order of
-events is the order of the client's messages and of the ticks.  The websocket itself is the
-``Connection``'s business; a session only fills its ``Outbox``.
+events, on the ``SessionCore`` it shares with the native route (``session_core.py``: input
+back-pressure, the output queue, epochs).  It never awaits: every handler runs to completion
+on the loop, so the order of events is the order of the client's messages and of the ticks.
+The websocket itself is the ``Connection``'s business; a session only fills its ``Outbox``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
-from engines.config import FRAME_MS, FRAME_SAMPLES
+from engines.config import FRAME_MS
 from engines.interface import shown
 
-from ..lockstep.scheduler import FrameFailure, FrameResult, TickScheduler
+from ..lockstep.scheduler import FrameResult, TickScheduler
 from ..metrics import Metrics
 from ..protocol import events as ev
 from ..protocol import json_codec
@@ -29,94 +28,13 @@ from ..protocol.client_events import CLOSE_EVENTS, client_event_id, parse_append
 from ..protocol.errors import ProtocolError
 from ..protocol.session_config import SessionConfig, parse_session_update, session_payload
 from ..settings import Settings
+from .session_core import SessionCore
 
 log = logging.getLogger(__name__)
 
 MAX_CLIENT_REASON_CHARS = 200  # of a session.close reason, echoed in session.closed
-_F32_FRAME_BYTES = FRAME_SAMPLES * 4
 _REFUSED_RESPONSE_OPTIONS = ("instructions", "voice", "temperature", "max_output_tokens",
                              "max_response_output_tokens", "max_tokens", "tools")
-
-
-class Outbox:
-    """A session's unsent server events, bounded in bytes.
-
-    The tick never waits for a client: if this grows past ``limit`` the client is not
-    reading, and the session is closed instead (``put`` returns False).  Errors and endings
-    (``force``) may go past ``limit``, but only by ``limit`` again: a client that sends bad
-    events and reads nothing cannot grow the queue without bound either.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.bytes = 0  # queued plus the one being sent
-        # (json text, response id or None, arrival times of the client frames it answers)
-        self._items: deque[tuple[str, str | None, tuple[float, ...]]] = deque()
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def put(self, text: str | bytes, tag: str | None = None, force: bool = False,
-            answers: tuple[float, ...] = ()) -> bool:
-        if self.bytes + len(text) > (2 * self.limit if force else self.limit):
-            return False
-        self._items.append((text, tag, answers))
-        self.bytes += len(text)
-        self._wake.set()
-        self._idle.clear()
-        return True
-
-    async def get(self) -> tuple[str, tuple[float, ...]]:
-        """The next event's text and the arrival times of the client frames it answers."""
-        while not self._items:
-            self._wake.clear()
-            await self._wake.wait()
-        text, _, answers = self._items.popleft()
-        return text, answers
-
-    def sent(self, text: str) -> None:
-        self.bytes -= len(text)
-        if not self._items and self.bytes == 0:
-            self._idle.set()
-
-    def drop(self, tag: str) -> None:
-        """Forget queued events of one response (an accepted cancel drops unsent deltas)."""
-        kept = deque(item for item in self._items if item[1] != tag)
-        self.bytes -= sum(len(text) for text, t, _ in self._items if t == tag)
-        self._items = kept
-        if not self._items and self.bytes == 0:
-            self._idle.set()
-
-    def clear(self) -> None:
-        self.bytes -= sum(len(text) for text, _, _ in self._items)
-        self._items.clear()
-        if self.bytes == 0:
-            self._idle.set()
-
-    async def drained(self) -> None:
-        await self._idle.wait()
-
-
-async def send_outbox(ws: Any, session: Any, metrics: Metrics) -> None:
-    """Send a session's queued messages (either protocol's ``outbox``) in order until
-    cancelled, timing the client frames each answers; a failed send means the transport is
-    gone: the session is asked to stop (``transport_error``)."""
-    outbox = session.outbox
-    device = session.scheduler.device or "default"
-    try:
-        while True:
-            message, answers = await outbox.get()
-            await ws.send(message)
-            outbox.sent(message)
-            if answers:  # audio: the client frames it answers have their output out
-                now = time.monotonic()
-                for arrival in answers:
-                    metrics.observe_frame_latency(device, now - arrival)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the transport is gone
-        log.info("session %s: send failed (%s)", session.id, exc)
-        session.request_stop("transport_error")
 
 
 @dataclass
@@ -133,7 +51,9 @@ class _Response:
     pending_answers: list[float] = field(default_factory=list)  # arrival times of the client frames they answer
 
 
-class Session:
+class Session(SessionCore):
+    protocol = "realtime"
+
     def __init__(
         self,
         session_id: str,
@@ -144,33 +64,17 @@ class Session:
         metrics: Metrics,
         caps: dict[str, Any],
     ) -> None:
-        self.id = session_id
+        super().__init__(session_id, scheduler=scheduler, settings=settings, metrics=metrics)
         self.config = config
-        self.state = "open"
-        self.epoch = 0
-        self.outbox = Outbox(settings.max_output_buffer_bytes)
-        self.stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()  # result: close reason
         # The reason a client gave in session.close: echoed back in session.closed's "event"
         # only.  The server's own reason (close code, log, metrics) is "client_close": a
         # client must not write the server's record.
         self.client_reason: str | None = None
-        self._scheduler = scheduler
-        self._settings = settings
-        self._metrics = metrics
         self._caps = caps
         self._input: InputStream | None = None  # created by the first append; fixes the input rate
         self._response: _Response | None = None
         self._last_item_id: str | None = None
         self._seq = 0
-        self._max_pending_frames = max(1, settings.max_pending_input_bytes // _F32_FRAME_BYTES)
-        # Arrival (monotonic) of each client frame handed to the scheduler and not yet
-        # answered, oldest first: the start of personaplex_frame_latency_seconds.
-        self._arrivals: deque[float] = deque()
-
-    @property
-    def scheduler(self) -> TickScheduler:
-        """The scheduler of the engine this session lives on (for its whole life)."""
-        return self._scheduler
 
     # Emitting ---------------------------------------------------------------------------------
     def emit(self, payload: dict[str, Any], *, tag: str | None = None, journal: bool = True,
@@ -183,27 +87,11 @@ class Session:
             self._seq += 1
             event["server_event_seq"] = self._seq
         event.update(payload)
-        if not self.outbox.put(json_codec.dumps(event), tag, force, answers):
-            self._overflow()
+        self._queue(json_codec.dumps(event), tag, force, answers)
 
     def emit_error(self, error: ProtocolError, client_event_id: str | None = None) -> None:
         self._metrics.inc("errors", error.code)
         self.emit({"type": "error", "error": error.payload(client_event_id)}, force=True)
-
-    def request_stop(self, reason: str) -> None:
-        if not self.stop.done():
-            self.stop.set_result(reason)
-
-    def _overflow(self) -> None:
-        """The client stopped reading: close this session only, with a clear reason."""
-        if self.stop.done():
-            return
-        limit = self.outbox.limit
-        self.outbox.clear()
-        self.emit_error(ProtocolError(
-            "output_backpressure",
-            f"the client is not reading: more than {limit} bytes of server events are waiting; closing the session"))
-        self.request_stop("output_backpressure")
 
     def public(self) -> dict[str, Any]:
         return ev.session_object(session_id=self.id, state=self.state, epoch=self.epoch, config=self.config,
@@ -283,15 +171,10 @@ class Session:
                                 param="sample_rate_hz")
         samples = to_float32(decode_base64(request.audio), codec)
         stream = self._input or InputStream(rate)
-        if self._scheduler.pending(self.id) + stream.frames_after(len(samples)) > self._max_pending_frames:
-            raise ProtocolError("input_backpressure",
-                                f"more than {self._settings.max_pending_input_bytes} bytes of input are waiting "
-                                "for the model; send in real time", param="audio")
+        if not self._input_fits(stream, len(samples)):
+            raise self._backpressure()
         self._input = stream
-        frames = stream.push(samples)
-        if len(frames):
-            self._arrivals.extend([time.monotonic()] * len(frames))
-            self._scheduler.push(self.id, self.epoch, frames)
+        self._push_input(stream, samples)
 
     def _commit(self) -> None:
         """Zero-pad the partial frame so it reaches the model (generic path; no turn ends)."""
@@ -326,27 +209,12 @@ class Session:
             self._end_response("cancelled", "client_cancelled")
         self._new_epoch()
 
-    def _new_epoch(self) -> None:
-        """Start a new epoch: the scheduler drops the frames not yet stepped."""
-        self.epoch += 1
-        self._arrivals.clear()
-        self._scheduler.restart(self.id, self.epoch)
-
     # Model output -----------------------------------------------------------------------------
-    def on_result(self, result: FrameResult | FrameFailure) -> None:
-        if self.state != "open" or result.epoch != self.epoch or self.stop.done():
-            # Late output of a cancelled epoch, or of a session already told to stop (its
-            # events would be dropped, and a response opened now could never be announced).
-            self._metrics.inc("frames_dropped")
-            return
-        if isinstance(result, FrameFailure):
-            self._on_failure(result)
-            return
+    def _on_frame(self, result: FrameResult, answers: tuple[float, ...]) -> None:
         response = self._response or self._open_response()
         response.pending.append(result.pcm16)
         response.pending_silence += int(result.silence_input)
-        if not result.silence_input and self._arrivals:
-            response.pending_answers.append(self._arrivals.popleft())
+        response.pending_answers.extend(answers)
         response.pending_text += result.text
         response.timing = {"tick": result.tick, "tick_ms": round(result.tick_ms, 3), "batch_size": result.batch_size,
                            "input_wait_ms": round(result.wait_ms, 3), "silence_input": result.silence_input}
@@ -403,23 +271,13 @@ class Session:
             self.emit(payload, force=True)
         self._last_item_id = ev.item_id_for(response.id)
 
-    def _on_failure(self, failure: FrameFailure) -> None:
-        self.emit_error(ProtocolError("engine_error", failure.message))
+    def _failed(self) -> None:
         self._end_response("failed", "engine_error")
-        if failure.fatal:
-            self.request_stop("engine_error")
-            return
-        # A failed step may leave the slot's context half-updated: a fresh epoch (the
-        # scheduler has already queued its restart; this call then changes nothing).
-        self._new_epoch()
 
     # Closing ----------------------------------------------------------------------------------
-    def begin_close(self) -> None:
-        """Stop producing: end the open response; later frames of any epoch are dropped."""
-        if self.state != "open":
-            return
-        self.state = "closing"
+    def _closing(self) -> None:
+        """End the open response, with what the model already said."""
         if self._response is not None:
-            if self._response.pending:  # deliver what the model already said
+            if self._response.pending:
                 self._flush(self._response)
             self._end_response("completed", None)

@@ -23,7 +23,10 @@ whenever no lane has a frame waiting.  A cold prefill comes in pieces of bounded
 (``Engine.prepare_in_pieces``: a chunk of prompt positions each), so a long persona joins
 over several gaps instead of holding every live lane for the whole pass; jobs take turns a
 piece at a time, so one long prefill does not hold up the opens queued behind it.  Closes
-are cheap and run before anything else.
+run before anything else, all those queued in one engine call (``close_slots``: one wipe of
+every slot, which costs about what one slot's does: a few ms on a GPU), and once a tick is
+due, at most once before it: a burst of closes (many clients leaving together) holds the
+live lanes up by one wipe, not by one wipe per session.
 
 Faults: a ``SlotFault`` from ``engine.step`` fails only the slots it names (the others keep
 their outputs, or have their frames stepped again if none advanced); any other exception
@@ -183,6 +186,7 @@ class TickScheduler:
         self._cond = threading.Condition()
         self._lanes: dict[str, _Lane] = {}
         self._closes: deque[tuple[str, concurrent.futures.Future]] = deque()
+        self._closed_since_take = False  # closes ran since the latest tick took its frames
         self._jobs: deque[_Job] = deque()  # expensive control work, a piece at a time in turn
         self._after_tick = False
         self._waits_in_row = 0  # jobs in turn whose piece waited for another's
@@ -316,8 +320,7 @@ class TickScheduler:
             self._serve(engine, own_clock)
         finally:
             own_clock.close()
-        for key in list(self._lanes):
-            self._close(engine, key, concurrent.futures.Future())
+        self._close(engine, [(key, concurrent.futures.Future()) for key in list(self._lanes)])
 
     def _serve(self, engine: Engine, own_clock: OwnClock) -> None:
         """Ticks and control work in turn until stopped."""
@@ -333,10 +336,10 @@ class TickScheduler:
             job = action[1] if kind == "job" else None
             label = job.kind if job is not None else kind
             start, own_start = self._clock(), own_clock.now()
-            self.busy = EngineCall(label, start, 1)
+            self.busy = EngineCall(label, start, 1 if job is not None else len(action[1]))
             try:
                 if job is None:
-                    self._close(engine, *action[1:])
+                    self._close(engine, action[1])
                 elif not self._job(engine, job):
                     with self._cond:  # unfinished: its next piece after the other jobs' turns
                         self._jobs.append(job)
@@ -409,12 +412,14 @@ class TickScheduler:
             while True:
                 if self._stopping:
                     return None
-                if self._closes:
-                    return ("close", *self._closes.popleft())
                 now = self._clock()
                 silence_due = self._feed_silence(now)
                 live = [lane for lane in self._lanes.values() if lane.live]
                 ready = [lane for lane in live if lane.frames]
+                # Closes first, all of them in one call; but once a tick is due, one such call
+                # before it at most (closes that keep arriving must not starve the live lanes).
+                if self._closes and (not ready or not self._closed_since_take):
+                    return self._take_closes()
                 if self._jobs and (self._after_tick or not ready):
                     self._after_tick = False
                     return ("job", self._jobs.popleft())
@@ -423,11 +428,21 @@ class TickScheduler:
                                                          self._tick_s))
                 if decision.tick:
                     self._live_at_take = len(live)
+                    self._closed_since_take = False
                     return ("tick", self._take(ready, now))
+                if self._closes:  # no tick due yet: the gap is free
+                    return self._take_closes()
                 wait = decision.wait_s
                 if silence_due is not None:
                     wait = silence_due - now if wait is None else min(wait, silence_due - now)
                 self._cond.wait(wait)
+
+    def _take_closes(self) -> tuple[str, list[tuple[str, concurrent.futures.Future]]]:
+        """Under the lock: every queued close, for one engine call."""
+        closes = list(self._closes)
+        self._closes.clear()
+        self._closed_since_take = True
+        return ("close", closes)
 
     def _feed_silence(self, now: float) -> float | None:
         """Queue silence for stalled lanes; returns the next time one falls due (or None)."""
@@ -541,23 +556,30 @@ class TickScheduler:
             self._want_restart(lane, epoch + 1)
         return FrameFailure(lane.key, epoch, message)
 
-    def _close(self, engine: Engine, key: str, future: concurrent.futures.Future) -> None:
+    def _close(self, engine: Engine, closes: list[tuple[str, concurrent.futures.Future]]) -> None:
+        """Release the slots of ``closes`` (keys with their futures) in one engine call."""
+        slots: list[int] = []
         with self._cond:
-            lane = self._lanes.pop(key, None)
-            if lane is None:  # not opened yet: cancel the pending open (and drop its prefill) instead
+            for key, _ in closes:
+                lane = self._lanes.pop(key, None)
+                if lane is not None:
+                    slots.append(lane.slot)
+                    continue
+                # Not opened yet: cancel the pending open (and drop its prefill) instead.
                 for job in [job for job in self._jobs if job.kind == "open" and job.key == key]:
                     self._jobs.remove(job)
                     job.future.cancel()
                     self._drop(job)
         error = None
         try:
-            if lane is not None:
-                engine.close_slot(lane.slot)
+            if slots:
+                engine.close_slots(slots)
         except Exception as exc:  # noqa: BLE001
-            log.exception("close_slot(%s) failed", lane.slot)
+            log.exception("close_slot(%s) failed", slots)
             error = exc
-        self._count_slots(engine)  # before the waiter hears of it: it reports the count
-        _settle(future, error=error)
+        self._count_slots(engine)  # before the waiters hear of it: they report the count
+        for _, future in closes:
+            _settle(future, error=error)
 
     def _count_slots(self, engine: Engine) -> None:
         self.slots_taken = engine.info.max_slots - engine.free_slots()

@@ -1,26 +1,31 @@
-"""Ogg/Opus streams of the native ``/api/chat`` protocol (spec/native-protocol.md), on ``sphn``.
+"""Ogg/Opus streams of the native ``/api/chat`` protocol (spec/native-protocol.md).
 
 Out: one 1920-sample frame (80 ms at 24 kHz) in, the Ogg pages it completes out (the stream's
 OpusHead and OpusTags pages come with the first frame).  In: any chunking of a client's Ogg
 stream in, the PCM decoded so far out.
 
-``sphn`` changed these classes between 0.1 and 0.2, and both are in use (NVIDIA's server
-pins 0.1):
-- 0.1: ``OpusStreamWriter.append_pcm`` returns None and ``read_bytes`` hands back one page
-  per call; ``OpusStreamReader`` decodes on a thread of its own (without the interpreter
-  lock), so ``read_pcm`` gives, one packet per call, what that thread has finished, and
-  None once the thread has stopped (the end of the stream, or bytes it could not parse).
-- 0.2: ``append_pcm`` returns the pages; ``append_bytes`` decodes at once and returns the
-  PCM, raising ``ValueError`` on bytes that are not Ogg/Opus.
-The classes below give one behaviour over both.
-
-Neither sphn version releases the interpreter lock while encoding, and encoding is the native
-route's main CPU cost (per-frame figures: docs/PERFORMANCE.md, "The native route at 128
-sessions").
+Two codecs do the work:
+- ``libopus`` (``protocol/libopus.py``, the default wherever the library loads): our own Ogg
+  pages (``protocol/ogg.py``) around libopus packets; each encode and decode runs without the
+  interpreter lock.  The stream is laid out as sphn 0.1's writer lays it out (what NVIDIA's
+  server sends): serial 42, an OpusHead with a pre-skip of 3840 and an input rate of 24 kHz,
+  one 80 ms packet per page, granule positions counting 1920 per frame.  Incoming audio is
+  decoded packet by packet, all of it (no pre-skip trimmed, as sphn's reader does).
+- ``sphn`` (the fallback where libopus does not load; it holds the interpreter lock while it
+  encodes).  sphn changed these classes between 0.1 and 0.2, and both are in use (NVIDIA's
+  server pins 0.1):
+  - 0.1: ``OpusStreamWriter.append_pcm`` returns None and ``read_bytes`` hands back one page
+    per call; ``OpusStreamReader`` decodes on a thread of its own (without the interpreter
+    lock), so ``read_pcm`` gives, one packet per call, what that thread has finished, and
+    None once the thread has stopped (the end of the stream, or bytes it could not parse).
+  - 0.2: ``append_pcm`` returns the pages; ``append_bytes`` decodes at once and returns the
+    PCM, raising ``ValueError`` on bytes that are not Ogg/Opus.
+The classes below give one behaviour over all three.
 """
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable
 
@@ -28,7 +33,9 @@ import numpy as np
 
 from engines.config import FRAME_SAMPLES, SAMPLE_RATE
 
+from . import libopus
 from .audio import AudioError
+from .ogg import OggWriter, ogg_crc
 
 _EMPTY = np.zeros(0, dtype=np.float32)
 _CAPTURE = b"OggS"
@@ -41,6 +48,17 @@ _HEADER_PACKETS = 2  # OpusHead, OpusTags
 _CONFIG_QUARTER_MS = (4, 8, 16, 24) * 3 + (4, 8) * 2 + (1, 2, 4, 8) * 4
 _OPUS_HEADERS = (b"OpusHead", b"OpusTags")
 MAX_PAGE_BYTES = _HEADER_BYTES + 255 + 255 * 255
+
+# The outgoing stream's constants, as sphn 0.1's writer has them (module docstring).
+STREAM_SERIAL = 42
+_PRE_SKIP = 3840
+_VENDOR = b"personaplex-serve"
+CODECS = ("libopus", "sphn")
+
+
+def default_codec() -> str:
+    """``libopus`` where the library loads, else ``sphn``."""
+    return "libopus" if libopus.available() else "sphn"
 
 
 def opus_packet_samples(packet: bytes, rate: int = SAMPLE_RATE) -> int:
@@ -70,7 +88,11 @@ class OggPages:
     (``samples`` at 24 kHz, headers excluded), before the reader is given them: what a
     stream will decode to is known before it is decoded."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_packets: bool = False) -> None:
+        """``keep_packets``: also check each page's CRC and keep its whole packets in
+        ``packets_ready`` (for a decoder that takes packets, not bytes)."""
+        self._keep = keep_packets
+        self.packets_ready: list[bytes] = []
         self._page = bytearray()  # the page being received
         self._need = _HEADER_BYTES  # its length, once known; until then the header's
         self._continued = b""  # the start of a packet that goes on past its page
@@ -104,6 +126,8 @@ class OggPages:
         return ends
 
     def _count(self, page: bytes) -> None:
+        if self._keep and ogg_crc(page[:22] + bytes(4) + page[26:]) != int.from_bytes(page[22:26], "little"):
+            raise AudioError("bad_audio", "an Ogg page's checksum does not match its bytes")
         segments = page[26]
         lacing = page[_HEADER_BYTES:_HEADER_BYTES + segments]
         start = _HEADER_BYTES + segments
@@ -114,10 +138,16 @@ class OggPages:
                 self._packet(self._continued + page[start:start + size])
                 self._continued = b""
                 start, size = start + size, 0
-        if size:  # goes on on the next page: keep its start (its TOC bytes)
-            self._continued = (self._continued + page[start:start + size])[:2]
+        if size:  # goes on on the next page: keep its start (its TOC bytes), or all of it
+            self._continued += page[start:start + size]
+            if not self._keep:
+                self._continued = self._continued[:2]
+            elif len(self._continued) > libopus.MAX_PACKET_BYTES * 4:  # Opus packets are far smaller
+                raise AudioError("bad_audio", "an Opus packet runs on past any size Opus allows")
 
     def _packet(self, packet: bytes) -> None:
+        if self._keep:
+            self.packets_ready.append(packet)
         self.packets += 1
         if not packet.startswith(_OPUS_HEADERS):
             self.samples += opus_packet_samples(packet)
@@ -136,9 +166,18 @@ def split_pages(data: bytes) -> list[bytes]:
 
 
 class OggOpusEncoder:
-    """One outgoing Ogg/Opus stream, mono 24 kHz, one Opus packet and one page per frame."""
+    """One outgoing Ogg/Opus stream, mono 24 kHz, one Opus packet and one page per frame.
+    ``codec``: ``libopus`` or ``sphn`` (default: ``default_codec()``)."""
 
-    def __init__(self, sample_rate: int = SAMPLE_RATE) -> None:
+    def __init__(self, sample_rate: int = SAMPLE_RATE, codec: str | None = None) -> None:
+        self.codec = codec or default_codec()
+        if self.codec == "libopus":
+            self._opus = libopus.OpusEncoder(sample_rate)
+            self._ogg = OggWriter(STREAM_SERIAL)
+            self._frames = 0
+            return
+        if self.codec != "sphn":
+            raise ValueError(f"unknown Opus codec {codec!r} (one of {', '.join(CODECS)})")
         import sphn
 
         self._writer = sphn.OpusStreamWriter(sample_rate)
@@ -150,6 +189,8 @@ class OggOpusEncoder:
         pcm = np.ascontiguousarray(pcm, dtype=np.float32)
         if pcm.shape != (FRAME_SAMPLES,):
             raise ValueError(f"an Opus frame here is {FRAME_SAMPLES} samples, got shape {pcm.shape}")
+        if self.codec == "libopus":
+            return self._encode_libopus(pcm)
         pages = self._writer.append_pcm(pcm)
         if not self._pulls_pages:
             return split_pages(bytes(pages))
@@ -157,6 +198,17 @@ class OggOpusEncoder:
         while page := self._writer.read_bytes():
             chunks.append(page)
         return chunks
+
+    def _encode_libopus(self, pcm: np.ndarray) -> list[bytes]:
+        packet = self._opus.encode(pcm)  # the interpreter lock is released in here
+        pages = []
+        if self._frames == 0:
+            head = b"OpusHead" + struct.pack("<BBHIhB", 1, 1, _PRE_SKIP, SAMPLE_RATE, 0, 0)
+            tags = b"OpusTags" + struct.pack("<I", len(_VENDOR)) + _VENDOR + struct.pack("<I", 0)
+            pages = [self._ogg.page(head, 0), self._ogg.page(tags, 0)]
+        self._frames += 1
+        pages.append(self._ogg.page(packet, self._frames * FRAME_SAMPLES))
+        return pages
 
 
 class OggOpusDecoder:
@@ -167,19 +219,28 @@ class OggOpusDecoder:
     call: the stream cannot be resynchronised."""
 
     def __init__(self, sample_rate: int = SAMPLE_RATE, max_ahead_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, codec: str | None = None) -> None:
         """``max_ahead_s``: how far the audio fed may run ahead of real time (None: no
         limit).  A stream's audio is a budget that fills at one second per second up to
         ``max_ahead_s``; each page spends its duration (read from its packets' TOC bytes,
         before decoding: a few bytes of Opus can stand for a second of audio); a page over
-        budget is refused with ``AudioError("input_backpressure")`` and the stream ends."""
-        import sphn
-
-        self._reader = sphn.OpusStreamReader(sample_rate)
-        self._decodes_aside = hasattr(self._reader, "read_pcm")  # sphn 0.1: a decoding thread
+        budget is refused with ``AudioError("input_backpressure")`` and the stream ends.
+        ``codec``: ``libopus`` or ``sphn`` (default: ``default_codec()``)."""
+        self.codec = codec or default_codec()
         self._broken: str | None = None
-        self._pages = OggPages()
+        self._pages = OggPages(keep_packets=self.codec == "libopus")
+        if self.codec == "libopus":
+            self._opus = libopus.OpusDecoder(sample_rate)
+            self._decodes_aside = False
+        elif self.codec == "sphn":
+            import sphn
+
+            self._reader = sphn.OpusStreamReader(sample_rate)
+            self._decodes_aside = hasattr(self._reader, "read_pcm")  # sphn 0.1: a decoding thread
+        else:
+            raise ValueError(f"unknown Opus codec {codec!r} (one of {', '.join(CODECS)})")
         self._decoded = 0  # audio packets handed back (sphn 0.1)
+        self._packets_taken = 0  # packets decoded or skipped, headers included (libopus)
         self._max_ahead_s = max_ahead_s
         self._clock = clock
         self._budget_s = max_ahead_s or 0.0
@@ -202,6 +263,8 @@ class OggOpusDecoder:
         except AudioError as exc:
             self._fail(str(exc))
         self._spend((self._pages.samples - before) / SAMPLE_RATE)
+        if self.codec == "libopus":
+            return self._decode_packets()
         if not self._decodes_aside:
             # sphn 0.2 decodes a chunk into a buffer of its own size (~5 s of audio): a chunk
             # holding more fails, so it gets one page at a time.
@@ -214,8 +277,28 @@ class OggOpusDecoder:
         self._reader.append_bytes(data)
         return self.poll()
 
+    def _decode_packets(self) -> np.ndarray:
+        """Decode the whole packets received (libopus): the first must be an OpusHead, the
+        second the OpusTags; header packets after those (a chained stream) decode to nothing."""
+        packets, self._pages.packets_ready = self._pages.packets_ready, []
+        out = []
+        for packet in packets:
+            self._packets_taken += 1
+            if self._packets_taken <= _HEADER_PACKETS:
+                header = _OPUS_HEADERS[self._packets_taken - 1]
+                if not packet.startswith(header):
+                    self._fail(f"packet {self._packets_taken} of the stream is not its {header.decode()}")
+                continue
+            if packet.startswith(_OPUS_HEADERS):
+                continue
+            try:
+                out.append(self._opus.decode(packet))  # the interpreter lock is released in here
+            except AudioError as exc:
+                self._fail(str(exc))
+        return np.concatenate(out) if len(out) > 1 else out[0] if out else _EMPTY
+
     def poll(self) -> np.ndarray:
-        """PCM decoded since the last call (sphn 0.1's decoding thread); empty with 0.2."""
+        """PCM decoded since the last call (sphn 0.1's decoding thread); empty otherwise."""
         self._check()
         if not self._decodes_aside:
             return _EMPTY
@@ -242,8 +325,8 @@ class OggOpusDecoder:
         return np.concatenate(chunks).astype(np.float32, copy=False)
 
     def close(self) -> None:
-        """Stop sphn 0.1's decoding thread (0.2 has none)."""
-        close = getattr(self._reader, "close", None)
+        """Stop sphn 0.1's decoding thread (the others have none)."""
+        close = getattr(getattr(self, "_reader", None), "close", None)
         if close is not None:
             close()
 

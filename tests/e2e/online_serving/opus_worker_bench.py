@@ -1,5 +1,5 @@
 """What a front-end worker's Opus work does to its timing: one event loop with the worker's
-codec threads (``orchestrator/frontend/codec_thread.py``) and SESSIONS native streams, no
+codec threads (``orchestrator/frontend/codec_threads.py``) and SESSIONS native streams, no
 network, no model.
 
 Every 80 ms period, as a worker sees it under load: each client's next Ogg page arrives (spread
@@ -9,7 +9,8 @@ page takes from arrival to its PCM being back on the loop (input that comes back
 its tick), how long a tick's encodes take to come back, and how late a 2 ms loop timer fires
 (everything else the loop does waits that long).  Prints a table, writes JSON.
 
-    python -m tests.e2e.online_serving.opus_worker_bench --sessions 32 --seconds 20 --output opus.json
+    python -m tests.e2e.online_serving.opus_worker_bench --sessions 32 --seconds 20 --codec libopus \
+        --encode-threads 2 --audio noise --output opus.json
 """
 
 from __future__ import annotations
@@ -73,17 +74,23 @@ def thread_cpu_s() -> dict[str, float]:
     return out
 
 
-async def run(sessions: int, seconds: float) -> dict[str, Any]:
-    from orchestrator.frontend.codec_thread import CodecThread
-    from orchestrator.protocol.ogg_opus import OggOpusDecoder, OggOpusEncoder
+async def run(sessions: int, seconds: float, codec_name: str = "libopus", encode_threads: int = 1,
+              audio: str = "speech") -> dict[str, Any]:
+    """``audio``: what the model's frames are (speech, or noise: the random model's output);
+    the clients send speech."""
+    from orchestrator.frontend.codec_threads import CodecThreads
+
+    from .opus_codec_bench import noise_frames
 
     periods = int(seconds / PERIOD_S)
     frames = speech_frames(periods + sessions)
     pages = [client_pages(frames[i:i + periods]) for i in range(sessions)]
+    if audio == "noise":
+        frames = noise_frames(len(frames))
     loop = asyncio.get_running_loop()
-    codec = CodecThread(loop)
-    decoders = [OggOpusDecoder() for _ in range(sessions)]
-    encoders = [OggOpusEncoder() for _ in range(sessions)]
+    codec = CodecThreads(loop, codec=codec_name, encode_threads=encode_threads)
+    decoders = [codec.new_decoder() for _ in range(sessions)]
+    encoders = [codec.new_encoder() for _ in range(sessions)]
     decode_s: list[float] = []
     encode_s: list[float] = []
     timer_late_s: list[float] = []
@@ -158,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="how long to run (default 20)")
     parser.add_argument("--switch-interval-ms", type=float, default=None,
                         help="set the interpreter's switch interval (default: as the worker leaves it)")
+    parser.add_argument("--codec", choices=("libopus", "sphn"), default="libopus", help="default libopus")
+    parser.add_argument("--encode-threads", type=int, default=1, help="encoding threads (default 1)")
+    parser.add_argument("--audio", choices=("speech", "noise"), default="speech",
+                        help="the model's frames to encode (default speech; noise: the random model's output)")
     parser.add_argument("--output", type=Path, help="write the result as JSON here")
     args = parser.parse_args(argv)
     if args.sessions < 1 or args.seconds <= 0:
@@ -166,12 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     import sphn
 
-    result = asyncio.run(run(args.sessions, args.seconds))
+    result = asyncio.run(run(args.sessions, args.seconds, args.codec, args.encode_threads, args.audio))
     result.update({"command": " ".join([sys.executable, "-m", __spec__.name if __spec__ else __file__,
                                         *(argv if argv is not None else sys.argv[1:])]),
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    "git_revision": revision(), "host": platform.node(), "cpus": os.cpu_count(),
-                   "sphn": getattr(sphn, "__version__", "?"), "sessions": args.sessions,
+                   "sphn": getattr(sphn, "__version__", "?"), "sessions": args.sessions, "codec": args.codec,
+                   "encode_threads": args.encode_threads, "audio": args.audio,
                    "switch_interval_ms": sys.getswitchinterval() * 1000})
     print(f"{'':24s} {'p50':>8s} {'p99':>8s} {'max':>8s}  (ms)")
     for key in ("decode_latency_ms", "tick_encode_ms", "loop_timer_late_ms"):

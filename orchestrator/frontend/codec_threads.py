@@ -1,36 +1,43 @@
 """Opus work of a front-end worker's native sessions, off its event loop.
 
-Two threads per worker run every Ogg/Opus encode and decode of that worker's ``/api/chat``
-sessions (``protocol/ogg_opus.py``): one encodes the model's frames, one decodes the clients'
-audio, so that client audio never queues behind a tick's worth of encoding (an input frame
-that arrives late misses its tick).  Work is asked for from the event loop and gathered there
-until the loop's current pass ends (``call_soon``): a tick's output frames, handed to the
-sessions in one go, become one job, and client audio that arrived in the same pass another.
+Threads of each worker run every Ogg/Opus encode and decode of that worker's ``/api/chat``
+sessions (``protocol/ogg_opus.py``): ``opus_encode_threads`` encode the model's frames (each
+stream stays on one of them, its frames in order), one decodes the clients' audio, so that
+client audio never queues behind a tick's worth of encoding (an input frame that arrives late
+misses its tick).  Work is asked for from the event loop and gathered there until the loop's
+current pass ends (``call_soon``): a tick's output frames, handed to the sessions in one go,
+become one job per encoding thread, and client audio that arrived in the same pass another.
 A thread takes every job queued when it wakes and hands all their results back in one loop
 callback, where each result goes to the callback it was asked with.
+
+With the ``libopus`` codec every encode and decode runs without the interpreter lock, so the
+encoding threads work in parallel, on cores the event loop does not need, and the loop waits
+only for the page framing around each packet (docs/PERFORMANCE.md, "Opus off the interpreter
+lock").  With ``sphn`` (the fallback) each encode holds the lock, the worker's encodes run one
+at a time whatever the threads, and the worker's switch interval is kept short while native
+sessions run (``Services.codec``).
 
 sphn 0.1 decodes on a thread of its own per stream: ``feed`` only queues the bytes, so the
 PCM comes later.  Decoders with packets still in flight are polled every ``POLL_S`` (a cheap
 non-blocking read) until their packets are out, or until ``STALE_S`` passes without progress
 (a stream whose packets sphn skips, such as a second OpusTags).
-
-sphn holds the interpreter lock while it encodes (about a millisecond per 80 ms frame,
-``protocol/ogg_opus.py``): the loop waits for one such call at a time, and the worker's switch
-interval is kept short while native sessions run (``Services.codec``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..lockstep.scheduler import name_os_thread
+from ..metrics import Metrics
 from ..protocol.audio import AudioError
 from ..protocol.ogg_opus import OggOpusDecoder, OggOpusEncoder
 
@@ -49,8 +56,11 @@ class _JobThread:
     that is not None."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, name: str, hand_back: Callable[[list], None],
-                 idle: Job | None = None, idle_s: Callable[[], float | None] = lambda: None) -> None:
+                 idle: Job | None = None, idle_s: Callable[[], float | None] = lambda: None,
+                 spent: Callable[[float], None] = lambda seconds: None) -> None:
+        """``spent`` gets the thread's own CPU time of each batch (on this thread)."""
         self._loop = loop
+        self._spent = spent
         self._hand_back = hand_back
         self._idle = idle
         self._idle_s = idle_s
@@ -83,6 +93,7 @@ class _JobThread:
                 if self._stopping:
                     return
                 jobs, self._jobs = self._jobs, []
+            started = time.thread_time()
             results: list[tuple[Done, Any]] = []
             for job in jobs:
                 try:
@@ -91,6 +102,7 @@ class _JobThread:
                     log.exception("an Opus job failed")
             if self._idle is not None:
                 results.extend(self._idle())
+            self._spent(time.thread_time() - started)
             if results:
                 try:
                     self._loop.call_soon_threadsafe(self._hand_back, results)
@@ -98,26 +110,47 @@ class _JobThread:
                     return
 
 
-class CodecThread:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+class CodecThreads:
+    """A worker's Opus threads, and the streams they code (``new_encoder``, ``new_decoder``)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, codec: str, encode_threads: int = 1,
+                 metrics: Metrics | None = None) -> None:
         self._loop = loop
-        # Gathered on the loop until its pass ends (loop thread only).
-        self._encodes: list[tuple[OggOpusEncoder, np.ndarray, Done]] = []
+        self.codec = codec
+        self._metrics = metrics
+        # Gathered on the loop until its pass ends (loop thread only): per encoding thread.
+        self._encodes: list[list[tuple[OggOpusEncoder, np.ndarray, Done]]] = [[] for _ in range(encode_threads)]
         self._decodes: list[tuple[OggOpusDecoder, bytes, Done]] = []
+        self._encoding = 0  # frames asked for and not yet handed back (loop thread only)
+        # Which encoding thread each stream's frames go to, given in turn as streams start.
+        self._lane_of: weakref.WeakKeyDictionary[OggOpusEncoder, int] = weakref.WeakKeyDictionary()
+        self._next_lane = itertools.cycle(range(encode_threads))
         # Decoders whose packets sphn 0.1 is still decoding (decoding thread only):
         # decoder -> (its callback, when it last handed something back).
         self._in_flight: dict[OggOpusDecoder, tuple[Done, float]] = {}
-        self._out = _JobThread(loop, "pp-opus-out", self._hand_back)
+        self._out = [_JobThread(loop, f"pp-opus-out{i}", self._hand_back_encoded,
+                                spent=lambda s: self._spent("encode", s)) for i in range(encode_threads)]
         self._in = _JobThread(loop, "pp-opus-in", self._hand_back, idle=self._poll_in_flight,
-                              idle_s=lambda: POLL_S if self._in_flight else None)
+                              idle_s=lambda: POLL_S if self._in_flight else None,
+                              spent=lambda s: self._spent("decode", s))
+
+    def new_encoder(self) -> OggOpusEncoder:
+        return OggOpusEncoder(codec=self.codec)
+
+    def new_decoder(self, max_ahead_s: float | None = None) -> OggOpusDecoder:
+        return OggOpusDecoder(max_ahead_s=max_ahead_s, codec=self.codec)
 
     # Asked for on the event loop -------------------------------------------------------------
     def encode(self, encoder: OggOpusEncoder, pcm: np.ndarray, done: Done) -> None:
         """Encode one frame (int16 or float32 [1920]); ``done`` gets the list of pages (or the
         exception).  Frames of one stream are encoded in the order asked."""
-        if not self._encodes:
+        lane = self._lane_of.get(encoder)
+        if lane is None:
+            lane = self._lane_of[encoder] = next(self._next_lane)
+        if not any(self._encodes):
             self._loop.call_soon(self._submit_encodes)
-        self._encodes.append((encoder, pcm, done))
+        self._encodes[lane].append((encoder, pcm, done))
+        self._encoding += 1
 
     def decode(self, decoder: OggOpusDecoder, data: bytes, done: Done) -> None:
         """Feed ``data`` to ``decoder``; ``done`` gets each piece of PCM as it is decoded
@@ -135,12 +168,26 @@ class CodecThread:
         self._in.submit(job)
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._out.stop(timeout)
+        for thread in self._out:
+            thread.stop(timeout)
         self._in.stop(timeout)
 
     def _submit_encodes(self) -> None:
-        batch, self._encodes = self._encodes, []
-        self._out.submit(lambda: [(done, _encoded(encoder, pcm)) for encoder, pcm, done in batch])
+        for thread, batch in zip(self._out, self._encodes):
+            if batch:
+                thread.submit(lambda batch=batch: [(done, _encoded(encoder, pcm)) for encoder, pcm, done in batch])
+        self._encodes = [[] for _ in self._out]
+
+    def _hand_back_encoded(self, results: list[tuple[Done, Any]]) -> None:
+        self._encoding -= len(results)
+        if self._metrics is not None:
+            self._metrics.observe_opus("encode", 0.0, queued_frames=self._encoding)
+        self._hand_back(results)
+
+    def _spent(self, direction: str, seconds: float) -> None:
+        """An Opus thread's CPU time of one batch (on that thread: the counter is thread-safe)."""
+        if self._metrics is not None:
+            self._metrics.observe_opus(direction, seconds)
 
     def _submit_decodes(self) -> None:
         batch, self._decodes = self._decodes, []

@@ -1,0 +1,231 @@
+"""What a session is on either route: its place in the lockstep, its output queue, its epochs.
+
+A Realtime ``Session`` (``session.py``, JSON events) and a native ``NativeSession``
+(``native_session.py``, Ogg/Opus and kind bytes) are both a ``SessionCore``: the same
+back-pressure on input (frames waiting for the model, bounded by ``max_pending_input_bytes``),
+the same output queue (an ``Outbox`` bounded by ``max_output_buffer_bytes``: a client that
+stops reading is closed, never waited for), the same epochs (a failed step or a cancel starts
+a new one, and results of an old one are dropped) and the same frame size.  What differs is
+only the wire: how client audio becomes PCM, and how a frame of model output and an error
+become messages (``_on_frame``, ``emit_error``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from engines.config import FRAME_SAMPLES
+
+from ..lockstep.scheduler import FrameFailure, FrameResult, TickScheduler
+from ..metrics import Metrics
+from ..protocol.audio import InputStream
+from ..protocol.errors import ProtocolError
+from ..settings import Settings
+
+log = logging.getLogger(__name__)
+
+F32_FRAME_BYTES = FRAME_SAMPLES * 4  # one frame of input as it waits for the model
+
+
+class Outbox:
+    """A session's unsent server events, bounded in bytes.
+
+    The tick never waits for a client: if this grows past ``limit`` the client is not
+    reading, and the session is closed instead (``put`` returns False).  Errors and endings
+    (``force``) may go past ``limit``, but only by ``limit`` again: a client that sends bad
+    events and reads nothing cannot grow the queue without bound either.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bytes = 0  # queued plus the one being sent
+        # (json text, response id or None, arrival times of the client frames it answers)
+        self._items: deque[tuple[str, str | None, tuple[float, ...]]] = deque()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def put(self, text: str | bytes, tag: str | None = None, force: bool = False,
+            answers: tuple[float, ...] = ()) -> bool:
+        if self.bytes + len(text) > (2 * self.limit if force else self.limit):
+            return False
+        self._items.append((text, tag, answers))
+        self.bytes += len(text)
+        self._wake.set()
+        self._idle.clear()
+        return True
+
+    async def get(self) -> tuple[str, tuple[float, ...]]:
+        """The next event's text and the arrival times of the client frames it answers."""
+        while not self._items:
+            self._wake.clear()
+            await self._wake.wait()
+        text, _, answers = self._items.popleft()
+        return text, answers
+
+    def sent(self, text: str) -> None:
+        self.bytes -= len(text)
+        if not self._items and self.bytes == 0:
+            self._idle.set()
+
+    def drop(self, tag: str) -> None:
+        """Forget queued events of one response (an accepted cancel drops unsent deltas)."""
+        kept = deque(item for item in self._items if item[1] != tag)
+        self.bytes -= sum(len(text) for text, t, _ in self._items if t == tag)
+        self._items = kept
+        if not self._items and self.bytes == 0:
+            self._idle.set()
+
+    def clear(self) -> None:
+        self.bytes -= sum(len(text) for text, _, _ in self._items)
+        self._items.clear()
+        if self.bytes == 0:
+            self._idle.set()
+
+    async def drained(self) -> None:
+        await self._idle.wait()
+
+
+async def send_outbox(ws: Any, session: Any, metrics: Metrics) -> None:
+    """Send a session's queued messages (either protocol's ``outbox``) in order until
+    cancelled, timing the client frames each answers; a failed send means the transport is
+    gone: the session is asked to stop (``transport_error``)."""
+    outbox = session.outbox
+    device = session.scheduler.device or "default"
+    try:
+        while True:
+            message, answers = await outbox.get()
+            await ws.send(message)
+            outbox.sent(message)
+            if answers:  # audio: the client frames it answers have their output out
+                now = time.monotonic()
+                for arrival in answers:
+                    metrics.observe_frame_latency(device, session.protocol, now - arrival)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the transport is gone
+        log.info("session %s: send failed (%s)", session.id, exc)
+        session.request_stop("transport_error")
+
+
+class SessionCore:
+    """One session's state shared by both routes.  Subclasses set ``protocol`` and write the
+    wire: ``emit_error`` (always sent, even past the output limit) and ``_on_frame`` (one
+    frame of model output with the arrival times of the client frames it answers); they may
+    add ``_failed`` (a step failed) and ``_closing`` (the session stops producing)."""
+
+    protocol = ""
+
+    def __init__(self, session_id: str, *, scheduler: TickScheduler, settings: Settings, metrics: Metrics) -> None:
+        self.id = session_id
+        self.state = "open"  # "closing" once the session stops producing (begin_close)
+        self.epoch = 0
+        self.outbox = Outbox(settings.max_output_buffer_bytes)
+        self.stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()  # result: close reason
+        self._scheduler = scheduler
+        self._settings = settings
+        self._metrics = metrics
+        self._max_pending_frames = max(1, settings.max_pending_input_bytes // F32_FRAME_BYTES)
+        # Arrival (monotonic) of each client frame handed to the scheduler and not yet
+        # answered, oldest first: the start of personaplex_frame_latency_seconds.
+        self._arrivals: deque[float] = deque()
+
+    @property
+    def scheduler(self) -> TickScheduler:
+        """The scheduler of the engine this session lives on (for its whole life)."""
+        return self._scheduler
+
+    def request_stop(self, reason: str) -> None:
+        if not self.stop.done():
+            self.stop.set_result(reason)
+
+    def emit_error(self, error: ProtocolError) -> None:
+        raise NotImplementedError
+
+    # Output -----------------------------------------------------------------------------------
+    def _queue(self, message: Any, tag: str | None = None, force: bool = False,
+               answers: tuple[float, ...] = ()) -> None:
+        """Queue one message; past the output limit the session is closed (``_overflow``)."""
+        if not self.outbox.put(message, tag, force, answers):
+            self._overflow()
+
+    def _overflow(self) -> None:
+        """The client stopped reading: close this session only, with a clear reason."""
+        if self.stop.done():
+            return
+        limit = self.outbox.limit
+        self.outbox.clear()
+        self.emit_error(ProtocolError("output_backpressure", f"the client is not reading: more than {limit} bytes "
+                                      "of server messages are waiting; closing the session"))
+        self.request_stop("output_backpressure")
+
+    # Input ------------------------------------------------------------------------------------
+    def _input_fits(self, stream: InputStream, samples: int) -> bool:
+        """Whether ``samples`` more of ``stream`` keep the frames waiting for the model within
+        ``max_pending_input_bytes``."""
+        return self._scheduler.pending(self.id) + stream.frames_after(samples) <= self._max_pending_frames
+
+    def _backpressure(self) -> ProtocolError:
+        return ProtocolError("input_backpressure", f"more than {self._settings.max_pending_input_bytes} bytes of "
+                             "input are waiting for the model; send in real time", param="audio")
+
+    def _push_input(self, stream: InputStream, samples: np.ndarray) -> None:
+        """Hand the whole frames ``samples`` completes to the scheduler (the rest waits in
+        ``stream``)."""
+        frames = stream.push(samples)
+        if len(frames):
+            self._arrivals.extend([time.monotonic()] * len(frames))
+            self._scheduler.push(self.id, self.epoch, frames)
+
+    def _new_epoch(self) -> None:
+        """Start a new epoch: the scheduler drops the frames not yet stepped, and later
+        results of the old epoch are dropped here."""
+        self.epoch += 1
+        self._arrivals.clear()
+        self._scheduler.restart(self.id, self.epoch)
+
+    # Model output -----------------------------------------------------------------------------
+    def on_result(self, result: FrameResult | FrameFailure) -> None:
+        if self.state != "open" or result.epoch != self.epoch or self.stop.done():
+            # Late output of a cancelled epoch, or of a session already told to stop (its
+            # messages would be dropped).
+            self._metrics.inc("frames_dropped")
+            return
+        if isinstance(result, FrameFailure):
+            self._on_failure(result)
+            return
+        answers = (self._arrivals.popleft(),) if not result.silence_input and self._arrivals else ()
+        self._on_frame(result, answers)
+
+    def _on_frame(self, result: FrameResult, answers: tuple[float, ...]) -> None:
+        raise NotImplementedError
+
+    def _on_failure(self, failure: FrameFailure) -> None:
+        self.emit_error(ProtocolError("engine_error", failure.message))
+        self._failed()
+        if failure.fatal:
+            self.request_stop("engine_error")
+            return
+        # A failed step may leave the slot's context half-updated: a fresh epoch (the
+        # scheduler has already queued its restart; this call then changes nothing).
+        self._new_epoch()
+
+    def _failed(self) -> None:
+        """A step of this session failed (its error is already queued)."""
+
+    # Closing ----------------------------------------------------------------------------------
+    def begin_close(self) -> None:
+        """Stop producing; later frames of any epoch are dropped.  Once."""
+        if self.state != "open":
+            return
+        self.state = "closing"
+        self._closing()
+
+    def _closing(self) -> None:
+        """The session has just stopped producing."""
