@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from orchestrator.protocol import libopus
 from orchestrator.protocol.ogg_opus import OggOpusEncoder
 from tests.native_support import (GREEDY, PAGES_PER_FRAME, STOCK_QUERY, NativeClient, chat_url, decode_ogg, ogg_page,
                                   ogg_pages, ogg_per_frame, page_ids)
@@ -183,10 +184,14 @@ def test_native_and_realtime_sessions_share_ticks(native_server: Server):
     assert sum(per_worker) == 2 and len(per_worker) == 2, per_worker  # two workers' series
     after = native_server.metrics(*ROUTE_SERIES)
     assert after[0] - before[0] >= len(frames) and after[1] - before[1] >= len(frames), (before, after)
-    # The encoding ran on the codec threads (their CPU time counts it): encoding a frame takes
+    # The workers coded with libopus, off their interpreter lock (sphn is the fallback where
+    # the library is missing), and the encoding ran on the codec threads (their CPU time
+    # counts it): encoding a frame takes
     # hundreds of microseconds, the threads' bookkeeping a few.  Encoding on the loop's
     # thread would leave the threads ~nothing per frame.
     assert (after[2] - before[2]) / len(frames) > 1e-4 and after[3] > before[3], (before, after)
+    if libopus.available():
+        assert "native sessions' Opus: libopus, 2 encoding thread(s)" in native_server.logs()
 
 
 def test_the_session_over_capacity_is_refused_and_a_freed_slot_serves(native_server: Server):

@@ -285,3 +285,29 @@ def test_a_burst_of_encodes_leaves_the_event_loop_running(codec):
         assert waiting < 0.3, results
     else:
         assert waiting > 0.3, results  # the lock held for each encode: the check can fail
+
+
+def test_libopus_streams_are_laid_out_as_sphn_writes_them(speech_pcm, codec):
+    """What NVIDIA's clients get from NVIDIA's server (sphn 0.1's writer) they get from ours:
+    the same OpusHead page byte for byte, and per frame one page with the same header (flags,
+    granule position, serial, sequence) holding one packet of the same Opus configuration.
+    (On this speech the packets are byte for byte sphn's too where the system's libopus is
+    the version sphn bundles; that is a fact of the libraries, not checked here.)"""
+    import sphn
+
+    if codec != "libopus":
+        pytest.skip("compares the two codecs: runs once, with libopus")
+    if not hasattr(sphn.OpusStreamWriter, "read_bytes"):
+        pytest.skip("sphn 0.2 writes two 40 ms packets per frame; NVIDIA's server runs 0.1")
+    frames = speech_pcm[: 60 * FRAME_SAMPLES].reshape(60, FRAME_SAMPLES)
+    encoder, reference = OggOpusEncoder(codec="libopus"), OggOpusEncoder(codec="sphn")
+    ours = [page for frame in frames for page in encoder.encode(frame)]
+    theirs = [page for frame in frames for page in reference.encode(frame)]
+    assert len(ours) == len(theirs) == 2 + len(frames)
+    assert ours[0] == theirs[0]  # OpusHead: version, one channel, pre-skip 3840, 24 kHz
+    assert ours[1][:22] == theirs[1][:22] and b"OpusTags" in ours[1]
+    for mine, reference_page in zip(ours[2:], theirs[2:]):
+        assert mine[:22] == reference_page[:22]  # capture, version, flags, granule, serial, sequence
+        body = mine[27 + mine[26]:]
+        assert body[0] == reference_page[27 + reference_page[26]]  # TOC: mode, bandwidth, 80 ms
+        assert len(mine) == 27 + mine[26] + sum(mine[27:27 + mine[26]])  # one packet, whole

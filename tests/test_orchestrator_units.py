@@ -244,6 +244,9 @@ def test_settings_from_env_and_toml(tmp_path):
     ({"PERSONAPLEX_DEVICE": "tpu"}, "PERSONAPLEX_DEVICE"),
     ({"PERSONAPLEX_CHECKPOINT": "/does/not/exist"}, "PERSONAPLEX_CHECKPOINT"),
     ({"PERSONAPLEX_CONFIG": "/does/not/exist.toml"}, "PERSONAPLEX_CONFIG"),
+    ({"PERSONAPLEX_OPUS_CODEC": "ffmpeg"}, "PERSONAPLEX_OPUS_CODEC must be one of auto, libopus, sphn"),
+    ({"PERSONAPLEX_OPUS_LIBRARY": "/does/not/libopus.so.0"}, "libopus could not be loaded .*/does/not/libopus"),
+    ({"PERSONAPLEX_OPUS_ENCODE_THREADS": "0"}, "PERSONAPLEX_OPUS_ENCODE_THREADS"),
 ])
 def test_settings_errors_name_the_variable(env, needle):
     with pytest.raises(SettingsError, match=needle):
