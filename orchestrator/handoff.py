@@ -51,6 +51,10 @@ SECURE = b"s"  # master -> worker with one fd: accepted on a TLS listener
 PLAIN = b"p"  # master -> worker with one fd: accepted on a plain listener
 ACCEPT_BATCH = 64  # connections accepted per wakeup before the workers' messages are read
 SHUTDOWN_POLL_S = 0.1
+PENDING_RETRY_S = 0.01  # how soon the master tries again to hand connections kept back
+# A record on a channel: the worker sends at most this many bytes of TAKEN/CLOSED at once and
+# the master reads up to it (a SEQPACKET read shorter than the record drops the rest).
+MAX_RECORD_BYTES = 4096
 READ_LIMIT = 2**16  # the StreamReader's buffer limit, as asyncio.start_server's default
 
 
@@ -86,8 +90,10 @@ class Dispatcher:
         self._accepting = False
         self._stopped = False
         self._turn = 0  # rotates the choice between equally loaded workers
+        # Accepted connections no worker could take yet (every channel full, or no worker
+        # serving): accepting pauses while any wait, so new clients wait in the backlog.
+        self._pending: collections.deque[tuple[socket.socket, bool]] = collections.deque()
         self.handed = 0
-        self.dropped = 0
         self.failed = False  # the accept thread raised: the master stops the server
         self._thread = threading.Thread(target=self._run, name="orchestrator-handoff", daemon=True)
 
@@ -137,7 +143,8 @@ class Dispatcher:
     def _run(self) -> None:
         try:
             while not self._stopped:
-                for key, _ in self._selector.select():
+                # While connections wait for a worker's channel to drain, look again soon.
+                for key, _ in self._selector.select(PENDING_RETRY_S if self._pending else None):
                     if key.data is None:
                         self._run_commands()
                     elif key.data[0] == "listener":
@@ -146,6 +153,7 @@ class Dispatcher:
                         self._from_worker(key.data[1])
                     if self._stopped:
                         break
+                self._hand_pending()
         except Exception:  # noqa: BLE001 - the server cannot accept any more: say so, loudly
             log.exception("the accept thread failed; stopping the server")
             self.failed = True
@@ -154,6 +162,8 @@ class Dispatcher:
             self._set_accepting(False)
             for slot in list(self._slots):
                 self._gone(slot)
+            while self._pending:
+                self._pending.popleft()[0].close()
             for sock, _ in self._listeners:
                 sock.close()  # with the workers' copies closed at shutdown, new clients are refused
 
@@ -192,7 +202,7 @@ class Dispatcher:
             return
         while True:
             try:
-                message = state.channel.recv(4096)
+                message = state.channel.recv(MAX_RECORD_BYTES)
             except BlockingIOError:
                 return
             except OSError:
@@ -209,7 +219,7 @@ class Dispatcher:
                 self._update_accepting()
 
     def _update_accepting(self) -> None:
-        self._set_accepting(not self._stopped and any(s.ready for s in self._slots.values()))
+        self._set_accepting(not self._stopped and not self._pending and any(s.ready for s in self._slots.values()))
 
     def _set_accepting(self, on: bool) -> None:
         if on == self._accepting:
@@ -236,13 +246,27 @@ class Dispatcher:
             self._hand(conn, secure)
 
     def _hand(self, conn: socket.socket, secure: bool) -> None:
+        """Hand ``conn`` to the least busy worker that can take it now; if none can (every
+        channel full, or no worker serving), keep it until one can and stop accepting."""
+        if self._pending or not self._try_hand(conn, secure):
+            self._pending.append((conn, secure))
+            self._set_accepting(False)
+
+    def _hand_pending(self) -> None:
+        """The connections kept back, in order, as far as the workers take them."""
+        while self._pending and not self._stopped:
+            conn, secure = self._pending[0]
+            if not self._try_hand(conn, secure):
+                return
+            self._pending.popleft()
+        self._update_accepting()
+
+    def _try_hand(self, conn: socket.socket, secure: bool) -> bool:
         tried: set[int] = set()
         while True:
             slot = self._choose(tried)
             if slot is None:
-                self.dropped += 1  # no worker can take it: the client sees the connection close
-                conn.close()
-                return
+                return False
             state = self._slots[slot]
             try:
                 socket.send_fds(state.channel, [SECURE if secure else PLAIN], [conn.fileno()], socket.MSG_DONTWAIT)
@@ -258,7 +282,7 @@ class Dispatcher:
             state.live += 1
             state.untaken.append((conn, secure))
             self.handed += 1
-            return
+            return True
 
     def _choose(self, exclude: set[int]) -> int | None:
         """The serving worker with the fewest live connections (ties: in turn)."""
@@ -332,15 +356,15 @@ async def _serve(app: Any, config: Any, sockets: Any, shutdown_event: Any, chann
 
     def tell_master(what: bytes = b"") -> None:
         unsent.extend(what)
-        if not unsent or channel.fileno() < 0:
-            return
-        try:
-            channel.send(bytes(unsent), socket.MSG_DONTWAIT)
-            unsent.clear()
-        except BlockingIOError:
-            pass  # sent with the next one (or by the poll below)
-        except OSError:
-            master_gone.set()
+        while unsent and channel.fileno() >= 0:
+            try:
+                sent = channel.send(bytes(unsent[:MAX_RECORD_BYTES]), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return  # sent with the next one (or by the poll below)
+            except OSError:
+                master_gone.set()
+                return
+            del unsent[:sent]
 
     async def handle(sock: socket.socket, secure: bool) -> None:
         try:
@@ -372,9 +396,17 @@ async def _serve(app: Any, config: Any, sockets: Any, shutdown_event: Any, chann
                     loop.remove_reader(channel.fileno())
                     master_gone.set()
                     return
+                # One record per connection handed over: TAKEN for each, fd or not (a record
+                # whose fd did not arrive, say at the process's file limit, is a connection
+                # lost here: the master is told it both taken and ended, so that neither its
+                # copy nor its count of this worker's connections stays behind).
+                taken += 1
+                if not fds:
+                    log.error("a connection handed to this worker did not arrive (no file descriptor: is the "
+                              "process's open-file limit reached?)")
+                    tell_master(CLOSED)
                 for fd in fds:
                     sock = socket.socket(fileno=fd)
-                    taken += 1
                     task = loop.create_task(handle(sock, message[:1] == SECURE))
                     connections.add(task)
                     task.add_done_callback(connections.discard)
@@ -405,6 +437,14 @@ async def _serve(app: Any, config: Any, sockets: Any, shutdown_event: Any, chann
         # copies: the application starts its drain when they go (frontend/listeners.py).
         if not master_gone.is_set():
             loop.remove_reader(channel.fileno())
+            # Every TAKEN out before the channel ends: the master hands a connection it thinks
+            # untaken to another worker when this one's channel ends.
+            channel.settimeout(1.0)
+            try:
+                while unsent:
+                    del unsent[:channel.send(bytes(unsent[:MAX_RECORD_BYTES]))]
+            except OSError:
+                pass  # the master is gone, or not reading: it stops the server either way
         channel.close()
         for sock in [*secure_listeners, *plain_listeners]:
             sock.close()

@@ -98,7 +98,8 @@ class Metrics:
         self._engine_job_seconds = prom.Histogram(
             "personaplex_engine_job_duration_seconds", "Engine time of one piece of control work run between ticks "
             "(live sessions wait for it), by kind: open (a chunk of a joining session's prefill, or its install), "
-            "restart, close.", ["kind"], buckets=TICK_BUCKETS_S, registry=reg)
+            "restart, close (every close queued at the time, in one call).", ["kind"], buckets=TICK_BUCKETS_S,
+            registry=reg)
         self._engine_job_own_seconds = prom.Histogram(
             "personaplex_engine_job_own_seconds", "The same pieces of control work, less the time the engine "
             "thread waited for a CPU (other processes on the host): what the work itself held the ticks for.",

@@ -53,6 +53,9 @@ class SessionSlots:
         del self._specs[slot]
         self.cancel(slot)
 
+    def is_open(self, slot: int) -> bool:
+        return slot in self._specs
+
     def spec(self, slot: int) -> SessionSpec:
         spec = self._specs.get(slot)
         if spec is None:

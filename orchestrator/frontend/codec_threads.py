@@ -26,7 +26,6 @@ non-blocking read) until their packets are out, or until ``STALE_S`` passes with
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
@@ -100,6 +99,9 @@ class _JobThread:
                     results.extend(job())
                 except Exception:  # noqa: BLE001 - a job's own errors go to its callbacks
                     log.exception("an Opus job failed")
+            # The jobs hold their streams: let go now, not at this thread's next wake (a
+            # closed session's encoder and its libopus state go with it).
+            jobs = job = None  # type: ignore[assignment]
             if self._idle is not None:
                 results.extend(self._idle())
             self._spent(time.thread_time() - started)
@@ -108,6 +110,7 @@ class _JobThread:
                     self._loop.call_soon_threadsafe(self._hand_back, results)
                 except RuntimeError:  # the loop has closed: serving is over
                     return
+            results = None  # type: ignore[assignment]  # (its callbacks hold their sessions)
 
 
 class CodecThreads:
@@ -122,9 +125,10 @@ class CodecThreads:
         self._encodes: list[list[tuple[OggOpusEncoder, np.ndarray, Done]]] = [[] for _ in range(encode_threads)]
         self._decodes: list[tuple[OggOpusDecoder, bytes, Done]] = []
         self._encoding = 0  # frames asked for and not yet handed back (loop thread only)
-        # Which encoding thread each stream's frames go to, given in turn as streams start.
+        # Which encoding thread each stream's frames go to: the one with the fewest streams
+        # when the stream starts (a stream's count goes when its encoder does).
         self._lane_of: weakref.WeakKeyDictionary[OggOpusEncoder, int] = weakref.WeakKeyDictionary()
-        self._next_lane = itertools.cycle(range(encode_threads))
+        self._lane_streams = [0] * encode_threads
         # Decoders whose packets sphn 0.1 is still decoding (decoding thread only):
         # decoder -> (its callback, when it last handed something back).
         self._in_flight: dict[OggOpusDecoder, tuple[Done, float]] = {}
@@ -146,7 +150,9 @@ class CodecThreads:
         exception).  Frames of one stream are encoded in the order asked."""
         lane = self._lane_of.get(encoder)
         if lane is None:
-            lane = self._lane_of[encoder] = next(self._next_lane)
+            lane = self._lane_of[encoder] = self._lane_streams.index(min(self._lane_streams))
+            self._lane_streams[lane] += 1
+            weakref.finalize(encoder, self._stream_ended, lane)
         if not any(self._encodes):
             self._loop.call_soon(self._submit_encodes)
         self._encodes[lane].append((encoder, pcm, done))
@@ -177,6 +183,9 @@ class CodecThreads:
             if batch:
                 thread.submit(lambda batch=batch: [(done, _encoded(encoder, pcm)) for encoder, pcm, done in batch])
         self._encodes = [[] for _ in self._out]
+
+    def _stream_ended(self, lane: int) -> None:
+        self._lane_streams[lane] -= 1  # one item's arithmetic: atomic under the interpreter lock
 
     def _hand_back_encoded(self, results: list[tuple[Done, Any]]) -> None:
         self._encoding -= len(results)

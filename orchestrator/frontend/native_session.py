@@ -80,7 +80,7 @@ class NativeSession(SessionCore):
         if not self._input_fits(self._input, len(pcm)):
             # The client cannot be told in time to slow down (it streams pages): the audio is
             # dropped, and said so at most once a second.
-            self._report(self._backpressure())
+            self._report(self._backpressure(dropped=True))
             return
         self._push_input(self._input, pcm)
 

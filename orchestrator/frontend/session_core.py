@@ -171,9 +171,11 @@ class SessionCore:
         ``max_pending_input_bytes``."""
         return self._scheduler.pending(self.id) + stream.frames_after(samples) <= self._max_pending_frames
 
-    def _backpressure(self) -> ProtocolError:
+    def _backpressure(self, dropped: bool = False) -> ProtocolError:
+        """``dropped``: the audio was dropped (the native route), not refused."""
         return ProtocolError("input_backpressure", f"more than {self._settings.max_pending_input_bytes} bytes of "
-                             "input are waiting for the model; send in real time", param="audio")
+                             "input are waiting for the model; "
+                             + ("audio dropped (send in real time)" if dropped else "send in real time"), param="audio")
 
     def _push_input(self, stream: InputStream, samples: np.ndarray) -> None:
         """Hand the whole frames ``samples`` completes to the scheduler (the rest waits in

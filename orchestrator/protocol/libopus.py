@@ -9,10 +9,10 @@ covers per frame is the call's argument handling and the Ogg page around the pac
 (``protocol/ogg.py``); the figures are in docs/PERFORMANCE.md, "Opus off the interpreter lock".
 
 The library is the system's (Debian ``libopus0``), or the file the server's settings name
-(``PERSONAPLEX_OPUS_LIBRARY``, handed to ``use`` at start-up).  Encoding settings are the ones sphn's writer uses (the VOIP
-application, libopus's default bitrate and complexity): on speech both give the same packets
-byte for byte from the same libopus version, so the route's bytes are the ones NVIDIA's server
-sends.
+(``PERSONAPLEX_OPUS_LIBRARY``, handed to ``use`` at start-up).  Encoding settings are the ones
+sphn's writer uses (the VOIP application, libopus's default bitrate and complexity): on speech
+both gave the same packets byte for byte (libopus 1.3.1 against sphn 0.1.12's, 200 frames of
+tests/data/input_assistant.wav), so the route's bytes are the ones NVIDIA's server sends.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ MAX_PACKET_BYTES = 4000  # libopus's recommended ceiling for one packet
 MAX_PACKET_MS = 120  # the longest packet Opus allows (RFC 6716, section 3.2.5)
 
 _OK = 0
-_GET_LOOKAHEAD = 4027
 
 
 class OpusUnavailable(RuntimeError):
@@ -100,7 +99,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.opus_decoder_destroy.restype = None
     lib.opus_decode_float.argtypes = [void_p, ctypes.c_char_p, ctypes.c_int32, void_p, c_int, c_int]
     lib.opus_decode_float.restype = c_int
-    # opus_encoder_ctl is variadic: its arguments are given per call, never declared.
 
 
 def _error(lib: ctypes.CDLL, code: int) -> str:
@@ -119,13 +117,6 @@ class OpusEncoder:
             raise ValueError(f"libopus refused an encoder at {sample_rate} Hz: {_error(self._lib, status.value)}")
         self._out = ctypes.create_string_buffer(MAX_PACKET_BYTES)
         self._destroy = self._lib.opus_encoder_destroy
-
-    @property
-    def lookahead(self) -> int:
-        """Samples (at the stream's rate) the encoder delays its input by."""
-        value = ctypes.c_int32()
-        self._lib.opus_encoder_ctl(ctypes.c_void_p(self._state), _GET_LOOKAHEAD, ctypes.byref(value))
-        return value.value
 
     def encode(self, pcm: np.ndarray) -> bytes:
         pcm = np.ascontiguousarray(pcm, dtype=np.float32)
@@ -154,10 +145,16 @@ class OpusDecoder:
         self._out = np.empty(self._max_samples, dtype=np.float32)
         self._destroy = self._lib.opus_decoder_destroy
 
-    def decode(self, packet: bytes) -> np.ndarray:
-        """The packet's samples (a copy: the decoder's buffer is reused)."""
+    def decode(self, packet: bytes, samples: int) -> np.ndarray:
+        """The packet's samples (a copy: the decoder's buffer is reused).  ``samples``: what
+        the packet's TOC says it holds (``ogg_opus.opus_packet_samples``), the most it may
+        decode to: a packet that would decode to more is refused, so that audio can never
+        outgrow what a stream's budget counted.  A packet must not be empty (libopus decodes
+        an empty one as a lost packet: concealment of any length asked)."""
+        if not packet:
+            raise ValueError("an empty packet is a lost packet, not audio")
         size = self._lib.opus_decode_float(self._state, packet, len(packet), self._out.ctypes.data,
-                                           self._max_samples, 0)
+                                           min(samples, self._max_samples), 0)
         if size < 0:
             raise AudioError("bad_audio", f"an Opus packet could not be decoded ({_error(self._lib, size)})")
         return self._out[:size].copy()

@@ -146,6 +146,11 @@ class OggPages:
                 raise AudioError("bad_audio", "an Opus packet runs on past any size Opus allows")
 
     def _packet(self, packet: bytes) -> None:
+        if not packet:
+            # Opus packets are at least one byte (RFC 6716, section 3.4, R1); a decoder takes an
+            # empty one as a lost packet and conceals it at whatever length it is asked for:
+            # pages of them would be minutes of audio charged nothing against the budget.
+            raise AudioError("bad_audio", "an empty Opus packet (a packet is at least one byte)")
         if self._keep:
             self.packets_ready.append(packet)
         self.packets += 1
@@ -279,7 +284,10 @@ class OggOpusDecoder:
 
     def _decode_packets(self) -> np.ndarray:
         """Decode the whole packets received (libopus): the first must be an OpusHead, the
-        second the OpusTags; header packets after those (a chained stream) decode to nothing."""
+        second the OpusTags; header packets after those (a chained stream) decode to nothing,
+        and no packet decodes to more than its TOC bytes say (what the
+        stream's budget was charged; empty packets never get here: ``OggPages``).  A packet that fails ends the stream; the PCM before it
+        is handed back first, and the next call raises (as with sphn 0.1)."""
         packets, self._pages.packets_ready = self._pages.packets_ready, []
         out = []
         for packet in packets:
@@ -292,9 +300,12 @@ class OggOpusDecoder:
             if packet.startswith(_OPUS_HEADERS):
                 continue
             try:
-                out.append(self._opus.decode(packet))  # the interpreter lock is released in here
+                out.append(self._opus.decode(packet, opus_packet_samples(packet)))  # the interpreter lock is released in here
             except AudioError as exc:
-                self._fail(str(exc))
+                if not out:
+                    self._fail(str(exc))
+                self._broken = str(exc)
+                break
         return np.concatenate(out) if len(out) > 1 else out[0] if out else _EMPTY
 
     def poll(self) -> np.ndarray:
