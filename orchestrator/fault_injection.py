@@ -15,7 +15,9 @@
   ``restart`` (the victim's next context restart fails: its session cannot go on),
   ``slow_open`` (opening the slot, prompt included, takes ``seconds`` longer: a prompt that
   is slow to run), ``leak_open`` (the open fails after the engine took the slot, which it
-  keeps: the engine lost a slot, as a failed install once did);
+  keeps: the engine lost a slot, as a failed install once did), ``oom_open`` (the open fails
+  as the GPU's allocator fails, torch's ``OutOfMemoryError`` with its words, before the slot
+  is taken);
 - ``after``: fire on the victim slot's N-th step since it was opened (default 5), then every
   ``after`` steps, ``times`` times in all (default 1; 0 = no limit).
 
@@ -37,7 +39,7 @@ from engines.interface import Engine, EngineError, FrameOutput, SessionSpec, Slo
 
 log = logging.getLogger(__name__)
 
-MODES = ("slot", "slot_early", "batch", "hang", "restart", "slow_open", "leak_open")
+MODES = ("slot", "slot_early", "batch", "hang", "restart", "slow_open", "leak_open", "oom_open")
 
 
 class FaultPlanError(ValueError):
@@ -115,8 +117,15 @@ class FaultyEngine:
         return getattr(self.inner, name)
 
     def open_slot(self, spec: SessionSpec, prefill: Any = None) -> int:
-        slot = self.inner.open_slot(spec, prefill)
         plan = next((p for p in self.plans if p.persona in spec.persona), None)
+        if plan is not None and plan.mode == "oom_open":
+            # As the allocator fails a prefill's scratch: before the slot is taken, with its words.
+            import torch
+
+            self._fired(plan, -1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 758.00 MiB. GPU 0 has a total "
+                                         "capacity of 139.80 GiB of which 537.06 MiB is free. (injected fault)")
+        slot = self.inner.open_slot(spec, prefill)
         if plan is not None and plan.mode == "leak_open":
             self._fired(plan, slot)
             raise EngineError(f"injected fault: the open failed and slot {slot} was lost")

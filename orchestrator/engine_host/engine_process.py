@@ -37,6 +37,7 @@ from ..ipc import wire
 from ..ipc.endpoints import engine_endpoint, engine_socket_path, pid_alive
 from ..lockstep.watchdog import Watchdog
 from ..metrics import Metrics, mark_process_dead
+from ..protocol.errors import engine_failure, new_error_id, withheld
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class EngineProcess:
         self.label = label
         self.max_sessions = max_sessions
         self.scheduler = scheduler
+        self._metrics = metrics
+        self._load_error_logged: str | None = None  # the error id the load failure was logged under
         self._context = zmq.Context.instance()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -187,10 +190,18 @@ class EngineProcess:
         (one it could not give back must not be counted free)."""
         return max(len(self._owner), self.scheduler.slots_taken)
 
+    def _load_error_id(self) -> str:
+        """The id clients are given for the engine's load failure, logged with it once."""
+        if self._load_error_logged is None:
+            self._load_error_logged = new_error_id()
+            log.error("engine %s: the model failed to load [%s]: %s", self.label, self._load_error_logged,
+                      self.scheduler.load_error)
+        return self._load_error_logged
+
     def _open(self, worker: _Worker, key: str, spec: Any) -> None:
         refusal = None
         if self.scheduler.load_error is not None:
-            refusal = ("engine_unavailable", f"the model failed to load: {self.scheduler.load_error}")
+            refusal = ("engine_unavailable", withheld("the model failed to load", self._load_error_id()))
         elif key in self._owner:
             refusal = ("bad_event", f"session {key} is already open")
         elif self._held() >= self.max_sessions:
@@ -247,8 +258,11 @@ class EngineProcess:
             reply = {"key": key, "slot": future.result()}
         else:
             self._release(key)
-            reply = {"key": key, "error": {"code": getattr(error, "code", "engine_error"),
-                                           "message": str(error) or type(error).__name__}}
+            refusal = engine_failure(error, "opening the session", log)
+            if refusal.code in ("resource_exhausted", "engine_error"):
+                self._metrics.inc("open_failures", "out_of_memory" if refusal.code == "resource_exhausted"
+                                  else "engine_error")
+            reply = {"key": key, "error": {"code": refusal.code, "message": refusal.message}}
         reply["held"] = self._held()  # the worker's view of the admission, exact at once
         self._send(identity, [wire.OPENED, wire.header(reply)])
 

@@ -248,7 +248,8 @@ def _stream_error(exc: Exception) -> AudioError:
     """What ends a stream: its own ``AudioError``, or ``bad_audio`` for anything sphn raised."""
     if isinstance(exc, AudioError):
         return exc
-    return AudioError("bad_audio", f"input audio could not be decoded ({type(exc).__name__})")
+    log.debug("decoding a stream failed: %r", exc)
+    return AudioError("bad_audio", "input audio could not be decoded")
 
 
 def _encoded(encoder: OggOpusEncoder, pcm: np.ndarray) -> list[bytes] | Exception:

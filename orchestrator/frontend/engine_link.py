@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 _MAX_PER_DRAIN = 256  # messages handled in one go before the loop runs other work
 
 
+
+class EngineRefusal(EngineError):
+    """An engine process's answer to an open that failed, already worded for the client (the
+    engine process logged any detail under the error id its message names)."""
+
 class EngineLoadError(RuntimeError):
     """The engine process reported that its model failed to load (the message is its own)."""
 
@@ -311,7 +316,7 @@ class EngineLink:
             return  # closed while opening: the engine got our close after its open
         error = reply.get("error")
         if error is not None:
-            future.set_exception(EngineError(error["message"], error["code"]))
+            future.set_exception(EngineRefusal(error["message"], error["code"]))
             return
         self._epochs[key] = 0
         self._pending[key] = 0

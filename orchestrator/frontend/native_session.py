@@ -22,7 +22,7 @@ from ..lockstep.scheduler import FrameResult, TickScheduler
 from ..metrics import Metrics
 from ..protocol import native
 from ..protocol.audio import AudioError, InputStream
-from ..protocol.errors import ProtocolError
+from ..protocol.errors import ProtocolError, new_error_id, withheld
 from ..settings import Settings
 from .codec_threads import CodecThreads
 from .session_core import F32_FRAME_BYTES, SessionCore
@@ -104,8 +104,9 @@ class NativeSession(SessionCore):
     def _on_pages(self, pages: list[bytes] | Exception) -> None:
         answers = self._encoding.popleft()
         if isinstance(pages, Exception):
-            log.error("session %s: Opus encoding failed: %s", self.id, pages)
-            self.emit_error(ProtocolError("engine_error", "encoding the model's audio failed"))
+            error_id = new_error_id()
+            log.error("session %s: Opus encoding failed [%s]: %s", self.id, error_id, pages)
+            self.emit_error(ProtocolError("engine_error", withheld("encoding the model's audio failed", error_id)))
             self.request_stop("engine_error")
             return
         for i, page in enumerate(pages):  # one page per message, as NVIDIA's server sends them

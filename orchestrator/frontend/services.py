@@ -33,10 +33,11 @@ from ..ipc.endpoints import default_run_dir, metrics_dir, server_group_pid
 from ..lockstep.scheduler import EngineCall, FrameFailure, FrameResult
 from ..metrics import Metrics
 from ..protocol import libopus
-from ..protocol.errors import ProtocolError
+from ..protocol.errors import ProtocolError, engine_failure
 from ..protocol.events import capabilities
 from ..settings import Settings
 from .access import AccessPolicy
+from .engine_link import EngineRefusal
 from .engine_pool import DeviceEngine, EngineFactory, EnginePool
 from .limits import ClientLimits, Refusal
 from .listeners import ListenerWatch, find_listeners
@@ -232,6 +233,9 @@ class Services:
             except Exception as exc:  # noqa: BLE001 - a failed open allocated no engine slot
                 engine.cancel_admission()
                 error = _open_error(exc)
+                if _engine_failed(exc):  # the engine in this process (engine processes count their own)
+                    self.metrics.inc("open_failures",
+                                     "out_of_memory" if error.code == "resource_exhausted" else "engine_error")
                 if error.code != "resource_exhausted":
                     raise error from None
                 refused_by.append(engine)
@@ -380,11 +384,19 @@ class Services:
         return (200 if reason is None else 503), body
 
 
+def _engine_failed(exc: Exception) -> bool:
+    """An open that raised in the engine itself (not a typed refusal, not an engine process's
+    answer)."""
+    typed = isinstance(exc, EngineError) and exc.code != "engine_error"
+    return not (typed or isinstance(exc, (ProtocolError, EngineRefusal)))
+
+
 def _open_error(exc: Exception) -> ProtocolError:
-    """The client-facing error of a failed open (engine errors carry their protocol code)."""
+    """The client-facing error of a failed open: the engine process's reply (already the
+    client's: ``EngineError`` with its code and message), or, with the engine in this process,
+    ``engine_failure``'s (no exception text for the client)."""
     if isinstance(exc, ProtocolError):
         return exc
-    if isinstance(exc, EngineError):
+    if isinstance(exc, EngineError) and exc.code != "engine_error" or isinstance(exc, EngineRefusal):
         return ProtocolError(exc.code, str(exc), param="voice" if exc.code == "invalid_voice" else None)
-    log.exception("opening a session failed", exc_info=exc)
-    return ProtocolError("engine_error", f"opening the session failed: {type(exc).__name__}")
+    return engine_failure(exc, "opening the session", log)

@@ -57,6 +57,7 @@ from engines.interface import WAITING, Engine, EngineInfo, FrameOutput, Pieces, 
 from ..metrics import Metrics
 from ..own_clock import OwnClock
 from ..protocol.audio import float_to_pcm16
+from ..protocol.errors import new_error_id, withheld
 from .tick_policy import FRAME_PERIOD_S, PacedPolicy, TickState, WindowPolicy
 
 log = logging.getLogger(__name__)
@@ -519,13 +520,16 @@ class TickScheduler:
             self._batch_fault(batch, fault)  # it names nobody in this tick, or is malformed: no trust
             return [], []
         self._metrics.inc("tick_failures", "slots")
-        log.error("engine.step failed for slot(s) %s of a %d-slot tick: %s", sorted(failed), len(batch), fault)
+        error_id = new_error_id()
+        log.error("engine.step failed for slot(s) %s of a %d-slot tick [%s]: %s", sorted(failed), len(batch), error_id,
+                  fault)
+        message = withheld("the model failed on this session's frame; its context was restarted", error_id)
         failures, kept, outputs = [], [], []
         with self._cond:
             for i, item in enumerate(batch):
                 lane, epoch, frame, arrival, silent = item
                 if lane.slot in failed:
-                    failures.append(self._suspend(lane, epoch, f"the model failed on this session's frame: {fault}"))
+                    failures.append(self._suspend(lane, epoch, message))
                 elif fault.outputs is None:
                     if lane.live:  # nothing advanced: step this frame again next tick
                         lane.frames.appendleft((frame, arrival, silent))
@@ -541,10 +545,11 @@ class TickScheduler:
         """The engine cannot say which lane failed: fail them all, keep serving."""
         self._metrics.inc("tick_failures", "batch")
         self.failed_ticks_in_row += 1
+        error_id = new_error_id()
         log.error("engine.step failed on a %d-slot tick and the failing session cannot be identified: failing and "
-                  "restarting all %d sessions of the tick", len(batch), len(batch), exc_info=exc)
-        message = (f"the model failed on a tick shared by {len(batch)} sessions ({type(exc).__name__}: {exc}); "
-                   "which session caused it is unknown, so every one of them was restarted")
+                  "restarting all %d sessions of the tick [%s]", len(batch), len(batch), error_id, exc_info=exc)
+        message = withheld(f"the model failed on a tick shared by {len(batch)} sessions; which session caused it is "
+                           "unknown, so every one of them was restarted", error_id)
         with self._cond:
             failures = [self._suspend(lane, epoch, message) for lane, epoch, *_ in batch]
         self._hand_back(failures)
@@ -630,8 +635,9 @@ class TickScheduler:
         try:
             prefill = self._prepare_piece(engine, job, lane.spec)
         except Exception:  # noqa: BLE001
-            log.exception("preparing the restart of slot %s failed", lane.slot)
-            self._restart_failed(lane)
+            error_id = new_error_id()
+            log.exception("preparing the restart of slot %s failed [%s]", lane.slot, error_id)
+            self._restart_failed(lane, error_id)
             return True
         if prefill is _UNFINISHED:
             return False
@@ -643,8 +649,9 @@ class TickScheduler:
         try:
             engine.restart_slot(lane.slot, prefill)
         except Exception:  # noqa: BLE001
-            log.exception("restart_slot(%s) failed", lane.slot)
-            self._restart_failed(lane, target)
+            error_id = new_error_id()
+            log.exception("restart_slot(%s) failed [%s]", lane.slot, error_id)
+            self._restart_failed(lane, error_id, target)
             return True
         with self._cond:
             lane.epoch = target
@@ -671,8 +678,9 @@ class TickScheduler:
             return done.value
         return _UNFINISHED
 
-    def _restart_failed(self, lane: _Lane, target: int | None = None) -> None:
+    def _restart_failed(self, lane: _Lane, error_id: str, target: int | None = None) -> None:
         with self._cond:
             lane.restart_queued = False
             target = lane.want_epoch if target is None else target
-        self._hand_back([FrameFailure(lane.key, target, "restart of the model context failed", fatal=True)])
+        self._hand_back([FrameFailure(lane.key, target, withheld("restart of the model context failed", error_id),
+                                      fatal=True)])

@@ -2,10 +2,17 @@
 
 The code -> type map follows the reference (``REALTIME_ERROR_TYPES_BY_CODE``); codes not in
 it are ``invalid_request_error``.
+
+What the server itself got wrong reaches a client as a stable code and a message of ours with
+an error id (``withheld``); the detail (exception text, library messages, device memory
+figures, paths) goes only to the log, under the same id (``engine_failure``).
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
+import sys
 from typing import Any
 
 MAX_MESSAGE_CHARS = 1000  # an error's message: client values in it are cut (engines.interface.shown)
@@ -56,3 +63,45 @@ class ProtocolError(Exception):
             body["param"] = self.param
         body.update(self.extra)
         return body
+
+
+def new_error_id() -> str:
+    """An id for one failure, in the client's message and in the log line with its detail."""
+    return "err_" + secrets.token_hex(6)
+
+
+def withheld(what: str, error_id: str) -> str:
+    """A client's message for a failure whose detail is in the log under ``error_id``."""
+    return f"{what} (error id {error_id}; the details are in the server's log)"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A device (or host) allocation that failed: torch's OutOfMemoryError, or MemoryError."""
+    if isinstance(exc, MemoryError):
+        return True
+    torch = sys.modules.get("torch")  # only where torch is loaded: the engine's side
+    return torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ()))
+
+
+def engine_failure(exc: BaseException, what: str, log: logging.Logger) -> "ProtocolError":
+    """The client's error for an engine call that raised ``exc`` (``what``: the call, for the
+    message).  The engine's typed errors for the client (an unknown voice, no free slot: an
+    ``EngineError`` whose code is not ``engine_error``) pass as they are; an allocation that
+    failed is ``resource_exhausted`` and retryable; anything else is ``engine_error``.  Only
+    the typed ones carry the exception's text; the others are logged with an id that their
+    message names."""
+    from engines.interface import EngineError
+
+    code = getattr(exc, "code", "engine_error")
+    if isinstance(exc, EngineError) and code != "engine_error":
+        return ProtocolError(code, str(exc), param="voice" if code == "invalid_voice" else None)
+    error_id = new_error_id()
+    if is_out_of_memory(exc):
+        log.error("%s: out of memory [%s]: %s", what, error_id, exc)
+        return ProtocolError("resource_exhausted", withheld(f"{what} failed: the server has no memory for it now; "
+                                                            "try again shortly", error_id), retryable=True)
+    if isinstance(exc, EngineError):  # the engine's own words: no traceback needed
+        log.error("%s failed [%s]: %s", what, error_id, exc)
+    else:
+        log.error("%s failed [%s]", what, error_id, exc_info=exc)
+    return ProtocolError("engine_error", withheld(f"{what} failed", error_id))

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 from functools import lru_cache
 
 import numpy as np
 
 from .audio import AudioError
+
+log = logging.getLogger(__name__)
 
 APPLICATION_VOIP = 2048
 MAX_PACKET_BYTES = 4000  # libopus's recommended ceiling for one packet
@@ -156,7 +159,9 @@ class OpusDecoder:
         size = self._lib.opus_decode_float(self._state, packet, len(packet), self._out.ctypes.data,
                                            min(samples, self._max_samples), 0)
         if size < 0:
-            raise AudioError("bad_audio", f"an Opus packet could not be decoded ({_error(self._lib, size)})")
+            # libopus's own words stay in the log: the client gets ours.
+            log.debug("libopus could not decode a packet of %d bytes: %s", len(packet), _error(self._lib, size))
+            raise AudioError("bad_audio", "an Opus packet could not be decoded")
         return self._out[:size].copy()
 
     def __del__(self) -> None:

@@ -25,6 +25,7 @@ The classes below give one behaviour over all three.
 
 from __future__ import annotations
 
+import logging
 import struct
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from engines.config import FRAME_SAMPLES, SAMPLE_RATE
 from . import libopus
 from .audio import AudioError
 from .ogg import OggWriter, ogg_crc
+
+log = logging.getLogger(__name__)
 
 _EMPTY = np.zeros(0, dtype=np.float32)
 _CAPTURE = b"OggS"
@@ -276,8 +279,9 @@ class OggOpusDecoder:
             pieces = [data[a:b] for a, b in zip([0, *ends], [*ends, len(data)]) if b > a]
             try:
                 out = [np.asarray(self._reader.append_bytes(piece), dtype=np.float32) for piece in pieces]
-            except ValueError as exc:
-                self._fail(str(exc))
+            except ValueError as exc:  # sphn's message is the library's: the log has it, the client ours
+                log.debug("sphn refused a page: %s", exc)
+                self._fail("the Ogg/Opus stream could not be decoded")
             return np.concatenate(out) if len(out) > 1 else out[0] if out else _EMPTY
         self._reader.append_bytes(data)
         return self.poll()
@@ -318,8 +322,9 @@ class OggOpusDecoder:
             try:
                 pcm = self._reader.read_pcm()
             except Exception as exc:  # noqa: BLE001 - sphn's own error type: Opus refused a packet
+                log.debug("sphn could not decode a packet: %s", exc)
                 pcm = None
-                why = f"an Opus packet could not be decoded ({str(exc)[:200]})"
+                why = "an Opus packet could not be decoded"
             else:
                 why = "the Ogg/Opus stream could not be decoded"
             if pcm is None:  # the decoding thread stopped: it could not parse the stream
