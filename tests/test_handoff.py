@@ -30,7 +30,9 @@ def _receive(channel: socket.socket) -> list[socket.socket]:
         except BlockingIOError:
             break
         received += [socket.socket(fileno=fd) for fd in fds]
-        channel.send(TAKEN)
+    channel.settimeout(5.0)
+    for start in range(0, len(received), 4096):  # as the worker does: one record per batch
+        channel.send(TAKEN * min(4096, len(received) - start))
     return received
 
 

@@ -207,10 +207,12 @@ def test_a_worker_killed_loses_only_its_own_sessions(launcher: str):
         server.stop()
 
 
-@pytest.mark.parametrize("launcher", ["hypercorn", "personaplex"])
-def test_sigterm_drains_every_worker_and_stops_the_engines(launcher: str):
-    """hypercorn's master, and ours, whose workers are handed their connections."""
-    server = Server(workers=2, launcher=launcher, max_sessions=MAX_SESSIONS, warmup_frames=2)
+def test_sigterm_drains_every_worker_and_stops_the_engines():
+    """Under orchestrator.serve, whose master waits for every worker.  (hypercorn's own master
+    sends SIGTERM to the other workers as soon as the first has exited, hypercorn 0.18
+    ``run.py``: a worker still draining is killed, and its sessions end without the shutdown
+    message; this test failed so 2 times in 12 with it, before and after issue 33.)"""
+    server = Server(workers=2, launcher="personaplex", max_sessions=MAX_SESSIONS, warmup_frames=2)
     try:
         server.wait_free_slots(MAX_SESSIONS)
         engine_pid = _engine(server)["engine_pid"]
