@@ -210,11 +210,13 @@ class Metrics:
         self.declare_worker()
         self._worker_sessions.inc(delta)
 
-    def observe_opus(self, direction: str, cpu_seconds: float, queued_frames: int | None = None) -> None:
-        """CPU time an Opus thread spent on a batch; ``queued_frames``: encodes still waiting."""
+    def observe_opus(self, direction: str, cpu_seconds: float) -> None:
+        """CPU time an Opus thread spent on a batch."""
         self._opus_cpu.labels(direction).inc(cpu_seconds)
-        if queued_frames is not None:
-            self._opus_queue.set(queued_frames)
+
+    def opus_queue(self, frames: int) -> None:
+        """Frames asked of this worker's encoding threads and not yet handed back."""
+        self._opus_queue.set(frames)
 
     def observe_loop(self, lag_s: float, tasks: int) -> None:
         self._loop_lag.observe(lag_s)

@@ -397,3 +397,17 @@ def test_the_gpu_count_comes_from_the_driver_without_torch_when_it_can(tmp_path,
     (package / "version.py").write_text("cuda: Optional[str] = '13.0'\n")
     monkeypatch.setattr(ctypes, "CDLL", no_driver)
     assert settings_module._driver_gpu_count() is None
+
+
+def test_engine_failures_are_told_from_typed_refusals():
+    """A full engine (NoFreeSlot) is a refusal worded for the client, not an open failure;
+    the allocator's error is counted as out_of_memory, anything else as engine_error."""
+    import torch
+
+    from engines.interface import EngineError, InvalidSessionSpec, NoFreeSlot
+    from orchestrator.protocol.errors import failure_reason, is_typed_refusal
+
+    assert is_typed_refusal(NoFreeSlot("full")) and is_typed_refusal(InvalidSessionSpec("no such voice"))
+    assert not is_typed_refusal(EngineError("lost a slot")) and not is_typed_refusal(RuntimeError("x"))
+    assert failure_reason(torch.OutOfMemoryError("CUDA out of memory")) == "out_of_memory"
+    assert failure_reason(RuntimeError("CUDA error")) == "engine_error"

@@ -144,11 +144,7 @@ class EngineRuntime:
     def close_slot(self, slot: int) -> None:
         """Free ``slot``, wiped now rather than on the next open: nothing of its session stays
         reachable.  The slot is free even if the wipe raises."""
-        self.slots.spec(slot)
-        try:
-            self._reset(slot)
-        finally:
-            self.slots.release(slot)
+        self._wipe_and_release([slot])
 
     def close_slots(self, slots: Sequence[int]) -> None:
         """``close_slot`` of several slots at once: one wipe of all of them.  A wipe is ~60
@@ -157,6 +153,10 @@ class EngineRuntime:
         close, not one each (76: 1.5 ms against 107-135 ms).  Every open slot of ``slots`` is
         free afterwards even if the wipe raises; one that is not open is a ``ValueError``,
         raised after the others are closed."""
+        self._wipe_and_release(slots)
+
+    def _wipe_and_release(self, slots: Sequence[int]) -> None:
+        """Wipe and release the open slots of ``slots`` (what both closes do)."""
         open_slots, not_open = [], []
         for slot in dict.fromkeys(slots):
             (open_slots if self.slots.is_open(slot) else not_open).append(slot)

@@ -37,7 +37,7 @@ from ..ipc import wire
 from ..ipc.endpoints import engine_endpoint, engine_socket_path, pid_alive
 from ..lockstep.watchdog import Watchdog
 from ..metrics import Metrics, mark_process_dead
-from ..protocol.errors import engine_failure, new_error_id, withheld
+from ..protocol.errors import engine_failure, failure_reason, is_typed_refusal, new_error_id, withheld
 
 log = logging.getLogger(__name__)
 
@@ -259,9 +259,8 @@ class EngineProcess:
         else:
             self._release(key)
             refusal = engine_failure(error, "opening the session", log)
-            if refusal.code in ("resource_exhausted", "engine_error"):
-                self._metrics.inc("open_failures", "out_of_memory" if refusal.code == "resource_exhausted"
-                                  else "engine_error")
+            if not is_typed_refusal(error):  # (no free slot is a refusal, not a failure)
+                self._metrics.inc("open_failures", failure_reason(error))
             reply = {"key": key, "error": {"code": refusal.code, "message": refusal.message}}
         reply["held"] = self._held()  # the worker's view of the admission, exact at once
         self._send(identity, [wire.OPENED, wire.header(reply)])

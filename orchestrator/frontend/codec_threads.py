@@ -190,7 +190,7 @@ class CodecThreads:
     def _hand_back_encoded(self, results: list[tuple[Done, Any]]) -> None:
         self._encoding -= len(results)
         if self._metrics is not None:
-            self._metrics.observe_opus("encode", 0.0, queued_frames=self._encoding)
+            self._metrics.opus_queue(self._encoding)
         self._hand_back(results)
 
     def _spent(self, direction: str, seconds: float) -> None:

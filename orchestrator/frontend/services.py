@@ -25,7 +25,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from engines.interface import EngineError, SessionSpec
+from engines.interface import SessionSpec
 
 from ..engine_host.launch import ensure_host
 from ..fault_injection import with_fault_injection
@@ -33,7 +33,7 @@ from ..ipc.endpoints import default_run_dir, metrics_dir, server_group_pid
 from ..lockstep.scheduler import EngineCall, FrameFailure, FrameResult
 from ..metrics import Metrics
 from ..protocol import libopus
-from ..protocol.errors import ProtocolError, engine_failure
+from ..protocol.errors import ProtocolError, engine_failure, failure_reason, is_typed_refusal
 from ..protocol.events import capabilities
 from ..settings import Settings
 from .access import AccessPolicy
@@ -234,8 +234,7 @@ class Services:
                 engine.cancel_admission()
                 error = _open_error(exc)
                 if _engine_failed(exc):  # the engine in this process (engine processes count their own)
-                    self.metrics.inc("open_failures",
-                                     "out_of_memory" if error.code == "resource_exhausted" else "engine_error")
+                    self.metrics.inc("open_failures", failure_reason(exc))
                 if error.code != "resource_exhausted":
                     raise error from None
                 refused_by.append(engine)
@@ -387,8 +386,7 @@ class Services:
 def _engine_failed(exc: Exception) -> bool:
     """An open that raised in the engine itself (not a typed refusal, not an engine process's
     answer)."""
-    typed = isinstance(exc, EngineError) and exc.code != "engine_error"
-    return not (typed or isinstance(exc, (ProtocolError, EngineRefusal)))
+    return not (is_typed_refusal(exc) or isinstance(exc, (ProtocolError, EngineRefusal)))
 
 
 def _open_error(exc: Exception) -> ProtocolError:
@@ -397,6 +395,6 @@ def _open_error(exc: Exception) -> ProtocolError:
     ``engine_failure``'s (no exception text for the client)."""
     if isinstance(exc, ProtocolError):
         return exc
-    if isinstance(exc, EngineError) and exc.code != "engine_error" or isinstance(exc, EngineRefusal):
+    if isinstance(exc, EngineRefusal):
         return ProtocolError(exc.code, str(exc), param="voice" if exc.code == "invalid_voice" else None)
-    return engine_failure(exc, "opening the session", log)
+    return engine_failure(exc, "opening the session", log)  # typed refusals pass as they are

@@ -83,6 +83,19 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ()))
 
 
+def is_typed_refusal(exc: BaseException) -> bool:
+    """An engine's error worded for the client (an unknown voice, no free slot: an
+    ``EngineError`` whose code is not ``engine_error``), not a failure of the engine."""
+    from engines.interface import EngineError
+
+    return isinstance(exc, EngineError) and exc.code != "engine_error"
+
+
+def failure_reason(exc: BaseException) -> str:
+    """How an engine failure is counted (``personaplex_open_failures_total{reason}``)."""
+    return "out_of_memory" if is_out_of_memory(exc) else "engine_error"
+
+
 def engine_failure(exc: BaseException, what: str, log: logging.Logger) -> "ProtocolError":
     """The client's error for an engine call that raised ``exc`` (``what``: the call, for the
     message).  The engine's typed errors for the client (an unknown voice, no free slot: an
@@ -92,8 +105,8 @@ def engine_failure(exc: BaseException, what: str, log: logging.Logger) -> "Proto
     message names."""
     from engines.interface import EngineError
 
-    code = getattr(exc, "code", "engine_error")
-    if isinstance(exc, EngineError) and code != "engine_error":
+    if is_typed_refusal(exc):
+        code = exc.code  # type: ignore[attr-defined]
         return ProtocolError(code, str(exc), param="voice" if code == "invalid_voice" else None)
     error_id = new_error_id()
     if is_out_of_memory(exc):

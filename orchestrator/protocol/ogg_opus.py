@@ -289,9 +289,10 @@ class OggOpusDecoder:
     def _decode_packets(self) -> np.ndarray:
         """Decode the whole packets received (libopus): the first must be an OpusHead, the
         second the OpusTags; header packets after those (a chained stream) decode to nothing,
-        and no packet decodes to more than its TOC bytes say (what the
-        stream's budget was charged; empty packets never get here: ``OggPages``).  A packet that fails ends the stream; the PCM before it
-        is handed back first, and the next call raises (as with sphn 0.1)."""
+        and no packet decodes to more than its TOC bytes say (what the stream's budget was
+        charged; empty packets never get here: ``OggPages``).  A packet that fails ends the
+        stream; the PCM before it is handed back first, and the next call raises (as with
+        sphn 0.1)."""
         packets, self._pages.packets_ready = self._pages.packets_ready, []
         out = []
         for packet in packets:
