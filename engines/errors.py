@@ -12,3 +12,9 @@ class CheckpointError(ValueError):
 
 class AudioInputError(ValueError):
     """An audio file cannot be read or is not usable as model input."""
+
+
+class MemoryPlanError(RuntimeError):
+    """The configured sessions do not fit the device's memory plan
+    (``engines.runtime.memory_plan``).  Its message is one line for the operator: what was
+    asked, the largest that fits, and the plan's items."""

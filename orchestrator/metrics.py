@@ -55,7 +55,8 @@ _COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                                 "reason (empty, unknown_kind, unexpected_kind, text_frame, oversize, rate).",
                                 ("reason",)),
     "open_failures": ("personaplex_open_failures", "Opens the engine failed (the session got a typed error, its "
-                      "slot is free again), by reason (out_of_memory: retryable, engine_error).", ("reason",)),
+                      "slot is free again), by reason (out_of_memory and join_wait_timeout: retryable; engine_error).",
+                      ("reason",)),
     "engine_restarts": ("personaplex_engine_restarts", "Engine processes that ended and were started again, by "
                         "device.", ("device",)),
 }

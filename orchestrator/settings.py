@@ -17,15 +17,16 @@ import re
 from collections import Counter
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import tomllib
 
-from engines.config import (BACKENDS, COMPILE_MODES, KV_CACHE_MODES, LM_FILE, WEIGHT_MODES, LMConfig, WindowMode,
-                            kv_window_bytes)
-from engines.checkpoints.hub import DEFAULT_REPO, local_checkpoint, parse_repo_ref
-from engines.checkpoints.random_weights import RANDOM_MODEL_BYTES, random_model_name
-from engines.checkpoints.weights_format import is_fp8_checkpoint
+from engines.config import BACKENDS, COMPILE_MODES, KV_CACHE_MODES, WEIGHT_MODES, WindowMode
+from engines.checkpoints.hub import DEFAULT_REPO, parse_repo_ref
+from engines.checkpoints.random_weights import random_model_name
+
+if TYPE_CHECKING:
+    from engines.runtime.memory_plan import MemorySettings
 
 from .lockstep.tick_policy import POLICIES, PacedPolicy, WindowPolicy, make_policy
 
@@ -37,19 +38,8 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 # Default admission on CPU: the tiny demo model steps a frame in a few ms per session on two
 # cores, and 8 sessions is the CPU load target (spec/performance.md).
 CPU_DEFAULT_MAX_SESSIONS = 8
-# Upper bound of the derived default; the engine allocates one KV window per slot up front.
-DERIVED_MAX_SESSIONS_CAP = 128
-# What a repo id not in the local cache yet counts as when admission is sized.
-UNDOWNLOADED_MODEL = "personaplex-7b"
-# A session's device memory: its full temporal KV window at the 7B shapes (1.46 GiB in bf16;
-# fp8 halves it and adds 4 bytes of scale per 128) and ~9 % more for the rest of its state
-# (token ring, Mimi's streaming state, sampling settings) and allocator slack: 1.6 / 0.82 GiB.
-SESSION_STATE_MARGIN = 1.09
-SESSION_MEMORY_GB = {
-    mode: kv_window_bytes(LMConfig().num_layers, LMConfig().num_heads, LMConfig().context, LMConfig().head_dim, 2,
-                          fp8=mode == "fp8") * SESSION_STATE_MARGIN / 2**30
-    for mode in KV_CACHE_MODES
-}
+# Settings whose None is spelled "auto" too (the engine decides).
+AUTO_SETTINGS = ("max_sessions",)
 
 
 AUTH_MODES = ("auto", "required", "off")
@@ -105,11 +95,20 @@ class Settings:
     # busy processes on 2 cores: p99 29 against 57 ms, longest 35 against 132;
     # docs/results/2026-12-04-cpu-tick-threads.json).  Engines on a GPU are left as they are.
     cpu_threads: int = 1
-    # Admission per device (per engine); None derives it from each device's memory and
-    # session_memory_gb (see resolved_max_sessions).
+    # Admission per device (per engine); None ("auto") = on a GPU, as many as the engine's
+    # memory plan fits (engines/runtime/memory_plan.py), on CPU 8 (see resolved_max_sessions).
+    # A number the plan does not fit fails the engine's start with one line giving the largest.
     max_sessions: int | None = None
-    # Device memory of one session's full KV window; None = 1.6 (7B, bf16) or 0.82 (fp8).
-    session_memory_gb: float | None = None
+    # The memory plan.  The most device memory one engine plans with (None: its GPU's, less
+    # what other processes hold when it starts; set it to share a GPU, or on CPU to plan at all).
+    memory_limit_gb: float | None = None
+    memory_margin_gb: float = 1.0  # kept free beside every planned item
+    prefill_cache_gb: float = 2.0  # device memory the cache of prepared prompts may keep
+    # Joins prepared at once per engine: the plan reserves the longest prompt's peak for each
+    # (1.8 GiB at the 7B shapes); an open waits for its turn at most join_wait_s, then is
+    # refused (resource_exhausted, retryable) without allocating.
+    concurrent_joins: int = 1
+    join_wait_s: float = 30.0
     # Where the engines run: "process" = one engine process per device, started (and
     # restarted) by this server's engine host; the front-end workers (hypercorn --workers K)
     # reach them over IPC and share their admission.  "thread" = the engines run as threads
@@ -186,8 +185,12 @@ class Settings:
 
         if self.max_sessions is not None and not 1 <= self.max_sessions <= 4096:
             raise SettingsError(f"{env_name('max_sessions')} must be in [1, 4096], got {self.max_sessions!r}")
-        if self.session_memory_gb is not None:
-            positive("session_memory_gb")
+        if self.memory_limit_gb is not None:
+            positive("memory_limit_gb")
+        for name in ("memory_margin_gb", "prefill_cache_gb"):
+            positive(name, allow_zero=True)
+        for name in ("concurrent_joins", "join_wait_s"):
+            positive(name)
         if self.compile not in COMPILE_MODES:
             raise SettingsError(f"{env_name('compile')} must be auto, on or off, got {self.compile!r}")
         if self.kv_cache not in KV_CACHE_MODES:
@@ -296,7 +299,7 @@ class Settings:
         engine of ``device``."""
         return dict(max_slots=self.resolved_max_sessions(device), device=device, backend=self.backend,
                     window=self.window, kv_cache=self.kv_cache, compile=self.compile, weights=self.weights,
-                    voice_dir=self.voice_dir, cpu_threads=self.cpu_threads)
+                    voice_dir=self.voice_dir, cpu_threads=self.cpu_threads, memory=self.memory_settings())
 
     def tick_policy_object(self) -> WindowPolicy | PacedPolicy:
         """The scheduler's tick policy, as these settings configure it."""
@@ -373,50 +376,27 @@ class Settings:
                                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         return wanted
 
-    def resolved_max_sessions(self, device: str) -> int:
-        """The configured admission of one device's engine, or one derived from that device's
-        memory and the KV budget.
-
-        On a GPU: (total memory - checkpoint size on disk) * 0.9 / ``session_memory_gb``
-        (by default the KV window of the ``kv_cache`` mode), clamped to [1, 128]; a
-        ``random:`` checkpoint counts as the size of the real one, and weights quantized at
-        load (``weights`` = fp8) as what they become.  On CPU the demo default of 8.
-        """
+    def resolved_max_sessions(self, device: str) -> int | None:
+        """The configured admission of one device's engine; None ("auto") where the engine
+        decides from its memory plan (the torch backend on a GPU).  A TensorRT-LLM build
+        admits the sessions it was built for; CPU the demo default of 8."""
         if self.max_sessions is not None:
             return self.max_sessions
         if self.backend == "trtllm" and self.checkpoint is not None:
             # A compiled engine has a batch size: admit the sessions it was built for.
             return _build_max_sessions(Path(self.checkpoint))
         if not device.startswith("cuda"):
-            return CPU_DEFAULT_MAX_SESSIONS
-        import torch
+            return CPU_DEFAULT_MAX_SESSIONS if self.memory_limit_gb is None else None
+        return None
 
-        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-        weights = self._checkpoint_bytes()
-        budget = (total - weights) * 0.9
-        per_session = self.session_memory_gb or SESSION_MEMORY_GB[self.kv_cache]
-        return max(1, min(DERIVED_MAX_SESSIONS_CAP, int(budget // (per_session * 2**30))))
+    def memory_settings(self) -> "MemorySettings":
+        """The engine's memory plan settings (``engines.runtime.memory_plan``)."""
+        from engines.runtime.memory_plan import GIB, MemorySettings
 
-    def _checkpoint_bytes(self) -> int:
-        """Device memory the weights take: the checkpoint's size on disk, less what fp8
-        weights quantized at load save (a byte per fp8 parameter; the share of them as in the
-        7B model, whose shapes every Moshi-family checkpoint shares in proportion).  A repo
-        id counts as its snapshot in the local Hugging Face cache; one not downloaded yet (it
-        is fetched after admission is sized) as PersonaPlex-7B, the family's released size,
-        rather than as nothing, which would admit ~20 sessions too many on an H200."""
-        if self.checkpoint is None:
-            return 0
-        random_model = random_model_name(self.checkpoint)
-        path = None if random_model is not None else local_checkpoint(self.checkpoint)
-        if path is not None:
-            on_disk = _dir_bytes(path)
-        else:
-            on_disk = RANDOM_MODEL_BYTES[random_model or UNDOWNLOADED_MODEL]
-        if self.weights != "fp8" or (path is not None and is_fp8_checkpoint(path)):
-            return on_disk
-        lm_bytes = on_disk if path is None else _lm_file_bytes(path)
-        total, quantized = LMConfig().parameter_counts()
-        return on_disk - int(lm_bytes * quantized / total / 2)
+        return MemorySettings(limit_bytes=None if self.memory_limit_gb is None else int(self.memory_limit_gb * GIB),
+                              margin_bytes=int(self.memory_margin_gb * GIB),
+                              prefill_cache_bytes=int(self.prefill_cache_gb * GIB),
+                              concurrent_joins=self.concurrent_joins, sessions_setting=env_name("max_sessions"))
 
 
 def parse_devices(items: tuple[str, ...]) -> list[str]:
@@ -466,7 +446,8 @@ def _coerce(name: str, type_name: Any, raw: Any) -> Any:
     type_name = str(type_name)
     where = env_name(name)
     optional = "None" in type_name
-    if raw is None or (optional and isinstance(raw, str) and raw.strip().lower() in ("", "none", "null")):
+    empty = ("", "none", "null", "auto") if name in AUTO_SETTINGS else ("", "none", "null")
+    if raw is None or (optional and isinstance(raw, str) and raw.strip().lower() in empty):
         if not optional:
             raise SettingsError(f"{where} must be set")
         return None
@@ -493,17 +474,6 @@ def _coerce(name: str, type_name: Any, raw: Any) -> Any:
         kind = type_name.split(" ")[0].split("[")[0]
         raise SettingsError(f"{where} must be {kind}, got {raw!r}") from None
     raise SettingsError(f"{where}: unsupported setting type {type_name}")  # pragma: no cover
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _lm_file_bytes(path: Path) -> int:
-    try:
-        return (path / LM_FILE).stat().st_size
-    except OSError:
-        return 0
 
 
 def _build_max_sessions(build_dir: Path) -> int:

@@ -130,10 +130,15 @@ def test_compiled_blocks_and_fp8_writes_match_eager(tiny_checkpoint):
 
 
 def test_server_kv_cache_setting_sizes_admission():
-    from orchestrator.settings import SESSION_MEMORY_GB, Settings, SettingsError
+    """The fp8 cache halves a session's state at the 7B shapes, as the memory plan counts it
+    (so the plan admits about twice the sessions)."""
+    from engines.config import LMConfig, MimiConfig
+    from engines.runtime.memory_probe import per_slot_bytes
+    from orchestrator.settings import Settings, SettingsError
 
     assert Settings.from_mapping({"kv_cache": "fp8"}).kv_cache == "fp8"
-    assert SESSION_MEMORY_GB["fp8"] < SESSION_MEMORY_GB["auto"] / 1.9
+    bf16, fp8 = (per_slot_bytes(LMConfig(), MimiConfig(), "reference", torch.bfloat16, fp8) for fp8 in (False, True))
+    assert fp8 < bf16 / 1.9
     with pytest.raises(SettingsError, match="PERSONAPLEX_KV_CACHE"):
         Settings.from_mapping({"kv_cache": "int4"})
     assert Settings.from_mapping({"max_sessions": 3, "kv_cache": "fp8"}).resolved_max_sessions("cuda") == 3

@@ -13,13 +13,11 @@ import asyncio
 import json
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import websockets
 
-from engines.checkpoints.random_weights import RANDOM_MODEL_BYTES
 from orchestrator.frontend.engine_pool import DeviceEngine, EnginePool
 from orchestrator.lockstep.scheduler import EngineCall
 from orchestrator.metrics import Metrics
@@ -280,56 +278,20 @@ def test_refuse_when_full_and_random_checkpoint_settings():
         Settings(checkpoint="nvidia/personaplex-7b-v1", backend="trtllm")
 
 
-def test_random_7b_admission_is_the_real_checkpoints(monkeypatch: pytest.MonkeyPatch, tmp_path):
-    """On a GPU, derived max_sessions for random:personaplex-7b is what a checkpoint directory
-    of the real weights' size gets (a sparse file of that size stands in for it)."""
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device: SimpleNamespace(total_memory=150_000_000_000))  # an H200's ~140 GiB
-    with open(tmp_path / "model.safetensors", "wb") as weights:
-        weights.truncate(RANDOM_MODEL_BYTES["personaplex-7b"])
-    real = Settings(checkpoint=str(tmp_path)).resolved_max_sessions("cuda:0")
-    assert Settings(checkpoint="random:personaplex-7b").resolved_max_sessions("cuda:1") == real
-    assert 60 < real < 128 and Settings(checkpoint="random:tiny").resolved_max_sessions("cuda:0") > real
+def test_admission_on_a_gpu_is_the_engines_memory_plan():
+    """On a GPU the torch backend's admission is left to the engine's memory plan (None:
+    "auto"); a number is taken as it is (the engine checks it fits); CPU admits 8 unless a
+    memory limit asks for a plan there too."""
+    assert Settings(checkpoint="random:personaplex-7b").resolved_max_sessions("cuda:0") is None
+    assert Settings.from_env({"PERSONAPLEX_MAX_SESSIONS": "auto"}).max_sessions is None
     assert Settings(checkpoint="random:personaplex-7b", max_sessions=3).resolved_max_sessions("cuda:0") == 3
-
-
-def test_a_repo_id_is_admitted_by_its_weights_downloaded_or_not(monkeypatch: pytest.MonkeyPatch, tmp_path):
-    """A repo id counts as its snapshot in the local Hugging Face cache, or, not downloaded
-    yet (admission is sized before the download), as the 7B model: never as 0 bytes."""
-    import huggingface_hub.constants
-    import torch
-
-    from tests.hub_support import write_hub_cache
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device: SimpleNamespace(total_memory=150_000_000_000))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    seven_b = Settings(checkpoint="random:personaplex-7b").resolved_max_sessions("cuda:0")
-    assert Settings(checkpoint="someone/not-downloaded").resolved_max_sessions("cuda:0") == seven_b
-    assert Settings(checkpoint="someone/not-downloaded")._checkpoint_bytes() == RANDOM_MODEL_BYTES["personaplex-7b"]
-    lm = tmp_path / "model.safetensors"
-    lm.write_bytes(b"x" * 1000)
-    write_hub_cache(tmp_path / "hub", "someone/small", {"model.safetensors": lm})
-    assert Settings(checkpoint="someone/small")._checkpoint_bytes() == 1000
-    assert Settings(checkpoint="someone/small").resolved_max_sessions("cuda:0") > seven_b
-
-
-def test_random_model_bytes_are_the_7b_parameter_bytes():
-    """The constant the settings use (they import no torch) is the 7B's weights: the LM in bf16
-    with all 16 depformer steps (as in model.safetensors) and Mimi in float32."""
-    import torch
-
-    from engines.config import LMConfig, MimiConfig
-    from engines.model.lm import MoshiLM
-    from engines.model.mimi import MimiCodec
-
-    with torch.device("meta"):
-        lm = MoshiLM(LMConfig(), 16)
-        mimi = MimiCodec(MimiConfig(), 1, device=torch.device("meta"))
-    expected = sum(p.numel() for p in lm.parameters()) * 2 + sum(p.numel() for p in mimi.parameters()) * 4
-    assert RANDOM_MODEL_BYTES["personaplex-7b"] == expected
+    assert Settings().resolved_max_sessions("cpu") == 8
+    assert Settings(memory_limit_gb=1.0).resolved_max_sessions("cpu") is None
+    with pytest.raises(SettingsError, match="PERSONAPLEX_MAX_SESSIONS must be int"):
+        Settings.from_env({"PERSONAPLEX_MAX_SESSIONS": "most"})
+    memory = Settings(concurrent_joins=2, prefill_cache_gb=0.5).memory_settings()
+    assert (memory.concurrent_joins, memory.prefill_cache_bytes) == (2, 1 << 29)
+    assert memory.sessions_setting == "PERSONAPLEX_MAX_SESSIONS"
 
 
 def test_random_checkpoint_builds_through_the_benchmark_engine(monkeypatch: pytest.MonkeyPatch):

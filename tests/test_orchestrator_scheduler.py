@@ -45,11 +45,11 @@ def make_scheduler():
     made: list[TickScheduler] = []
 
     def make(max_slots: int = 2, window_ms: float = 20.0, grace_s: float = 0.0, policy: str = "window",
-             adapt=lambda engine: engine):
+             adapt=lambda engine: engine, **options):
         sink = Collector()
         scheduler = TickScheduler(lambda: adapt(create_engine(None, max_slots=max_slots)),
                                   policy=make_policy(policy, min_wait_s=window_ms / 1e3, busy_target=0.7),
-                                  silence_grace_s=grace_s, warmup_frames=2, metrics=Metrics())
+                                  silence_grace_s=grace_s, warmup_frames=2, metrics=Metrics(), **options)
         scheduler.start(sink.deliver)
         assert scheduler.ready.wait(120) and scheduler.load_error is None
         made.append(scheduler)
@@ -295,7 +295,7 @@ def test_a_join_that_waits_for_another_does_not_spend_the_gaps(make_scheduler):
         engine.prepare_in_pieces = lambda spec: one_at_a_time(prepare, spec)
         return engine
 
-    scheduler, sink = make_scheduler(max_slots=3, adapt=adapt)
+    scheduler, sink = make_scheduler(max_slots=3, adapt=adapt, concurrent_joins=2)
 
     def one_at_a_time(prepare, spec: SessionSpec):
         name = spec.persona[:1]
@@ -332,3 +332,69 @@ def test_a_join_that_waits_for_another_does_not_spend_the_gaps(make_scheduler):
     spent = a_pieces[-1] - a_pieces[0]
     assert spent <= 1.4 * len(a_pieces) + 3, f"A's {len(a_pieces)} pieces took {spent} ticks: waits took gaps"
     sink.wait(lambda: len(sink.of("live")) == 400)
+
+
+def _held_back(release: threading.Event, log: list[str]):
+    """An engine adapter: a persona starting "H" is prepared in pieces until ``release`` is set
+    (a join that stays under way as long as a test needs); every piece of every preparation
+    is logged by the persona's first letter."""
+
+    def adapt(engine):
+        prepare = engine.prepare_in_pieces
+
+        def pieces(spec: SessionSpec):
+            name = spec.persona[:1]
+            while name == "H" and not release.is_set():
+                log.append(name)
+                yield
+            inner = prepare(spec)
+            while True:
+                try:
+                    signal = next(inner)
+                except StopIteration as done:
+                    return done.value
+                log.append(name)
+                yield signal
+
+        engine.prepare_in_pieces = pieces
+        return engine
+
+    return adapt
+
+
+def test_joins_past_the_concurrent_limit_wait_their_turn(make_scheduler):
+    """With one join prepared at a time (the memory plan reserves one longest prefill), a
+    second join does not start preparing while the first is under way: every piece of the
+    first comes before the second's first.  (Without the limit the two interleave, one piece
+    each in turn.)"""
+    release, log = threading.Event(), []
+    scheduler, _ = make_scheduler(max_slots=3, adapt=_held_back(release, log), concurrent_joins=1)
+    first = scheduler.open("first", SessionSpec(persona="Hold me", sampling=GREEDY.sampling))
+    second = scheduler.open("second", SessionSpec(persona="B" + LONG_PERSONA[:2000], sampling=GREEDY.sampling))
+    deadline = time.monotonic() + 30
+    while log.count("H") < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "B" not in log and not second.done()
+    release.set()
+    assert first.result(60) is not None and second.result(60) is not None
+    assert log.index("B") > max(i for i, name in enumerate(log) if name == "H")
+
+
+def test_a_join_with_no_turn_in_time_is_refused_retryably_and_takes_nothing(make_scheduler):
+    """A join that waits past ``join_wait_s`` for its turn is refused with the typed,
+    retryable ``resource_exhausted`` (``JoinTurnTimeout``), without having allocated or taken
+    a slot; the join under way is untouched, and a later open succeeds."""
+    from orchestrator.lockstep.scheduler import JoinTurnTimeout
+
+    release, log = threading.Event(), []
+    scheduler, _ = make_scheduler(max_slots=3, adapt=_held_back(release, log), concurrent_joins=1, join_wait_s=0.2)
+    first = scheduler.open("first", SessionSpec(persona="Hold me", sampling=GREEDY.sampling))
+    second = scheduler.open("second", GREEDY)
+    with pytest.raises(JoinTurnTimeout, match="no turn for this one within 0.2 s; try again") as refused:
+        second.result(30)
+    assert refused.value.code == "resource_exhausted" and set(log) == {"H"}
+    assert scheduler.slots_taken == 0 and not first.done()
+    release.set()
+    assert first.result(60) is not None
+    assert scheduler.open("third", GREEDY).result(30) is not None
+    assert scheduler.slots_taken == 2

@@ -4,13 +4,15 @@ weight values, so these measure capacity, tick times and memory without the gate
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from engines.config import LMConfig, MimiConfig
-from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
+from engines.runtime import memory_probe
+from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine, plan_slots
 from engines.model.lm import MoshiLM
 from engines.model.mimi import MimiCodec
 from engines.model.fp8_weights import fp8_state_entries, quantize_lm_tensors
@@ -53,25 +55,28 @@ def random_mimi(cfg: MimiConfig, num_slots: int, device: torch.device, seed: int
     return mimi.eval()
 
 
-def build_random_engine(num_slots: int, device: str, tokenizer_path: Path, steps: int = 8,
+def build_random_engine(num_slots: int | None, device: str, tokenizer_path: Path, steps: int = 8,
                         lm_cfg: LMConfig = LMConfig(), mimi_cfg: MimiConfig = MimiConfig(),
                         cuda_graphs: bool = True, kv_cache: str = "auto", compile: bool = False,
                         weights: str = "auto", fp8_matmul: str = "auto", window: str = WindowMode.REFERENCE,
                         voice_names: Sequence[str] = (), overlap_encode: bool = True,
-                        model_name: str = "random-7b-shapes", is_demo: bool = False) -> PersonaPlexEngine:
+                        model_name: str = "random-7b-shapes", is_demo: bool = False,
+                        options: EngineOptions | None = None) -> PersonaPlexEngine:
     """An engine with random weights at ``lm_cfg`` / ``mimi_cfg`` shapes (the benchmark's, and
     the server's ``PERSONAPLEX_CHECKPOINT=random:...``); ``voice_names`` get random prompts of
-    the real format."""
+    the real format.  ``num_slots`` None: as many as the memory plan fits; ``options``: the
+    memory plan's settings (the named arguments above take precedence)."""
     dev = torch.device(device)
+    options = replace(options or EngineOptions(), device=device, window=window, depformer_steps=steps,
+                      cuda_graphs=cuda_graphs, kv_cache=kv_cache, compile=compile, weights=weights,
+                      fp8_matmul=fp8_matmul, overlap_encode=overlap_encode)
+    held_before = memory_probe.held_before(dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     lm = random_lm(lm_cfg, steps, dev, dtype, fp8_matmul=fp8_matmul_for(dev, fp8_matmul) if weights == "fp8" else None)
+    num_slots, plan = plan_slots(lm, mimi_cfg, num_slots, options, held_before)
     mimi = random_mimi(mimi_cfg, num_slots + 1, dev)
     voices = VoiceStore(None, None, None, lm_cfg.dim, lm_cfg.num_streams)
     for i, name in enumerate(voice_names):
         voices.register(name, random_voice_data(lm_cfg.dim, lm_cfg.initial_tokens(), seed=100 + i))
-    return PersonaPlexEngine(lm, mimi, TextTokenizer(tokenizer_path), voices, num_slots,
-                             EngineOptions(device=device, window=window, depformer_steps=steps,
-                                           cuda_graphs=cuda_graphs, kv_cache=kv_cache, compile=compile,
-                                           weights=weights, fp8_matmul=fp8_matmul,
-                                           overlap_encode=overlap_encode),
-                             model_name=model_name, is_demo=is_demo)
+    return PersonaPlexEngine(lm, mimi, TextTokenizer(tokenizer_path), voices, num_slots, options,
+                             model_name=model_name, is_demo=is_demo, memory_plan=plan)

@@ -19,12 +19,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 RANDOM_PREFIX = "random:"
-# Device bytes the real checkpoint's weights take, per random model: the server's derived
-# max_sessions subtracts them from device memory as it does a checkpoint directory's size,
-# so random weights admit what the real ones would.  personaplex-7b: model.safetensors with
-# all 16 depformer steps in bf16 (8,371,408,896 parameters) + Mimi in float32 (83,502,913).
-RANDOM_MODEL_BYTES = {"personaplex-7b": 8_371_408_896 * 2 + 83_502_913 * 4, "tiny": 0}
-RANDOM_MODELS = tuple(RANDOM_MODEL_BYTES)
+# The models random weights may stand in for, at their shapes.
+RANDOM_MODELS = ("personaplex-7b", "tiny")
 
 
 def random_model_name(checkpoint: str | Path | None) -> str | None:
@@ -33,18 +29,19 @@ def random_model_name(checkpoint: str | Path | None) -> str | None:
     if not isinstance(checkpoint, str) or not checkpoint.startswith(RANDOM_PREFIX):
         return None
     name = checkpoint[len(RANDOM_PREFIX):]
-    if name not in RANDOM_MODEL_BYTES:
+    if name not in RANDOM_MODELS:
         raise ValueError(f"unknown random model {name!r}; available: "
                          f"{', '.join(RANDOM_PREFIX + n for n in RANDOM_MODELS)}")
     return name
 
 
-def create_random_engine(name: str, *, max_slots: int, device: str, window: str, kv_cache: str,
-                         compile: bool, weights: str = "auto") -> Any:
+def create_random_engine(name: str, *, max_slots: int | None, device: str, window: str, kv_cache: str,
+                         compile: bool, weights: str = "auto", memory: Any = None) -> Any:
     """A ``PersonaPlexEngine`` with random weights at ``name``'s shapes (see the module doc)."""
     from engines.checkpoints import loader as ckpt
     from engines import progress
     from engines.checkpoints.random_model import build_random_engine
+    from engines.runtime.torch_engine import EngineOptions
     from engines.config import LMConfig, MimiConfig
     from engines.checkpoints.tiny import TINY_LM, TINY_MIMI, TINY_VOICES, ensure_tiny_checkpoint
 
@@ -55,4 +52,5 @@ def create_random_engine(name: str, *, max_slots: int, device: str, window: str,
     progress.report(progress.WEIGHTS, f"random weights at {name} shapes")
     return build_random_engine(max_slots, device, tokenizer, lm_cfg=lm_cfg, mimi_cfg=mimi_cfg, kv_cache=kv_cache,
                                compile=compile, weights=weights, window=window, voice_names=tuple(TINY_VOICES),
-                               model_name=f"random-{name}", is_demo=True)
+                               model_name=f"random-{name}", is_demo=True,
+                               options=EngineOptions() if memory is None else EngineOptions(memory=memory))

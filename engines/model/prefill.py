@@ -361,5 +361,10 @@ class PrefillCache:
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= _nbytes(evicted)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
     def __len__(self) -> int:
         return len(self._entries)

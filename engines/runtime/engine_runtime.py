@@ -110,6 +110,11 @@ class EngineRuntime:
     def capture_graphs(self) -> None:
         """Nothing to capture unless a backend says otherwise."""
 
+    def settle_memory_plan(self) -> Any:
+        """The backend's memory plan, measured (start-up, after ``capture_graphs``), or None
+        for a backend that makes none (``memory_plan``)."""
+        return None
+
     # Engine interface ---------------------------------------------------------------------------
     def voices(self) -> list[str]:
         return self.voice_store.names()

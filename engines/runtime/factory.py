@@ -7,6 +7,7 @@ from pathlib import Path
 
 from engines.config import BACKENDS, WindowMode
 from engines.interface import Engine
+from engines.runtime.memory_plan import MemorySettings
 from engines.checkpoints.random_weights import create_random_engine, random_model_name
 
 log = logging.getLogger(__name__)
@@ -14,13 +15,14 @@ log = logging.getLogger(__name__)
 def create_torch_engine(
     checkpoint: str | Path | None,
     *,
-    max_slots: int,
+    max_slots: int | None,
     device: str = "cpu",
     window: str = WindowMode.REFERENCE,
     depformer_steps: int = 8,
     kv_cache: str = "auto",
     compile: str = "auto",
     weights: str = "auto",
+    memory: MemorySettings = MemorySettings(),
     **locate_overrides,
 ):
     """The PyTorch engine for ``checkpoint`` (``None``: the embedded tiny demo model).
@@ -42,7 +44,7 @@ def create_torch_engine(
         log.info("using the embedded tiny demo checkpoint (untrained) at %s", checkpoint)
     files = ckpt.locate(resolve_checkpoint(checkpoint), **locate_overrides)
     options = EngineOptions(device=device, window=window, depformer_steps=depformer_steps, kv_cache=kv_cache,
-                            compile=_compile_enabled(compile, device), weights=weights)
+                            compile=_compile_enabled(compile, device), weights=weights, memory=memory)
     return PersonaPlexEngine.from_files(files, max_slots, options, is_demo=is_demo)
 
 
@@ -72,7 +74,7 @@ def _bind_thread_to(device: str) -> None:
 def create_engine(
     checkpoint: str | Path | None,
     *,
-    max_slots: int,
+    max_slots: int | None,
     device: str = "cpu",
     backend: str = "torch",
     window: str = WindowMode.REFERENCE,
@@ -81,9 +83,11 @@ def create_engine(
     weights: str = "auto",
     voice_dir: str | Path | None = None,
     cpu_threads: int = 0,
+    memory: MemorySettings = MemorySettings(),
 ) -> Engine:
     """Load ``checkpoint`` (a local checkpoint directory, or a Hugging Face repo id) into an
-    engine with ``max_slots`` session slots.  ``None`` selects the embedded default: the
+    engine with ``max_slots`` session slots (None: the torch backend's memory plan decides,
+    ``memory`` its settings; ``engines/runtime/memory_plan.py``).  ``None`` selects the embedded default: the
     deterministic tiny demo checkpoint, generated once into a cache directory;
     ``random:<model>`` random weights at that model's shapes (``engines/checkpoints/random_weights.py``).
     ``voice_dir``: more voices, served ahead of the checkpoint's (every file checked now).
@@ -113,13 +117,16 @@ def create_engine(
             raise ValueError(f"random weights ({checkpoint}) need the torch backend, not {backend!r}")
         engine = create_random_engine(random_model, max_slots=max_slots, device=device, window=window,
                                       kv_cache=kv_cache, compile=_compile_enabled(compile, device),
-                                      weights=weights)
+                                      weights=weights, memory=memory)
     elif backend == "torch":
         engine = create_torch_engine(checkpoint, max_slots=max_slots, device=device, window=window,
-                                     kv_cache=kv_cache, compile=compile, weights=weights)
+                                     kv_cache=kv_cache, compile=compile, weights=weights, memory=memory)
     else:
         # ``checkpoint`` is then a build directory written by convert_checkpoint.py.
         from engines.runtime.trtllm import create_trtllm_engine
+
+        if max_slots is None:
+            raise ValueError("the TensorRT-LLM backend admits the sessions its build was made for: give max_slots")
 
         engine = create_trtllm_engine(checkpoint, max_slots=max_slots, device=device, window=window,
                                       kv_cache=kv_cache)

@@ -10,7 +10,7 @@ so any subset of slots can advance together and resetting one slot touches no ot
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -42,6 +42,10 @@ from engines.model.prefill import (
     voice_replay_frame,
 )
 from engines.runtime.engine_runtime import EngineRuntime
+from engines.runtime import memory_probe
+from engines.errors import MemoryPlanError
+from engines.runtime.memory_plan import MemoryPlan, MemorySettings, PlanItem, choose_sessions
+from engines.state.prompt_kv import PromptKV
 from engines.model.sampling import (
     STATIC_TOP_K,
     SamplingBatch,
@@ -64,9 +68,6 @@ class EngineOptions:
     # 16 reproduces the reference's full depformer for conformance checks.
     depformer_steps: int = 8
     prefill_cache_entries: int = 16
-    # ... and at most this many bytes of them (they live on the engine's device, in the
-    # headroom the server's admission leaves beside the sessions' windows).
-    prefill_cache_bytes: int = 2 << 30
     # On CUDA, live ticks replay CUDA graphs captured per batch bucket (padded with the
     # scratch slot); buckets above the slot count are dropped.
     cuda_graphs: bool = True
@@ -95,6 +96,9 @@ class EngineOptions:
     # noise, softmax and static top-k (a sort of 2048 per stream); with CUDA graphs each batch
     # bucket gets a second graph for it, chosen from host state per tick.
     greedy_ticks: bool = True
+    # The device-memory plan's settings (engines.runtime.memory_plan), the prefill cache's
+    # byte bound among them (the cache lives on the engine's device beside the sessions).
+    memory: MemorySettings = MemorySettings()
 
     def __post_init__(self) -> None:
         if self.window not in WindowMode.ALL:
@@ -105,6 +109,55 @@ class EngineOptions:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+
+
+def plan_slots(lm: MoshiLM, mimi_cfg, num_slots: int | None, options: EngineOptions,
+               held_before: tuple[int, int] | None) -> tuple[int, MemoryPlan | None]:
+    """The slots to allocate and the memory plan behind them (None where none is made: planning
+    off, or on CPU without a memory limit), once ``lm`` is loaded and before the slots are
+    allocated; ``num_slots`` None: the most that fit.  ``held_before``: the device's (free,
+    total) before the engine loaded anything (``memory_probe.device_memory``).  Logs the plan;
+    ``MemoryPlanError`` if ``num_slots`` does not fit."""
+    memory = options.memory
+    if not memory.enabled or (lm.device.type != "cuda" and memory.limit_bytes is None):
+        if num_slots is None:
+            raise ValueError("num_slots=None (as many as fit) needs a GPU or a memory limit to plan with")
+        return num_slots, None
+    plan = choose_sessions(_initial_plan(lm, mimi_cfg, options, held_before), num_slots, memory.sessions_setting)
+    for line in plan.lines():
+        log.info("%s", line)
+    return plan.sessions, plan
+
+
+def _initial_plan(lm: MoshiLM, mimi_cfg, options: EngineOptions, held_before: tuple[int, int] | None) -> MemoryPlan:
+    """The plan before the slots are allocated: the weights as loaded, one slot's state as
+    computed, the graphs and a join as estimated."""
+    cfg = lm.cfg
+    memory = options.memory
+    limit = memory.limit_bytes
+    if held_before is not None:
+        free, total = held_before
+        device_bytes = limit or total
+        not_ours = PlanItem("not_ours", 0, "setting") if limit else PlanItem("not_ours", total - free, "measured")
+    else:
+        device_bytes = limit or 0
+        not_ours = PlanItem("not_ours", 0, "setting")
+    graphs_on = lm.device.type == "cuda" and options.cuda_graphs
+    # A prefill without the piece graph keeps a cache of its own while it runs.
+    scratch = 0 if graphs_on else PromptKV.size_for(cfg.context, cfg.context, options.prefill_chunk)
+    joins = memory.concurrent_joins
+    per_join = memory_probe.join_estimate(cfg, lm.dtype, scratch)
+    weights = memory_probe.module_bytes(lm) + memory_probe.mimi_weight_bytes(mimi_cfg, options.window)
+    items = (
+        not_ours,
+        PlanItem("weights", weights, "computed"),
+        PlanItem("graphs", memory_probe.GRAPHS_ESTIMATE if graphs_on else 0, "estimated"),
+        PlanItem("joins", joins * per_join, "estimated", f"{joins} x the longest prompt"),
+        PlanItem("prefill_cache", memory.prefill_cache_bytes, "setting"),
+        PlanItem("margin", memory.margin_bytes, "setting"),
+    )
+    per_session = memory_probe.per_slot_bytes(cfg, mimi_cfg, options.window, lm.dtype, options.kv_cache == "fp8")
+    return MemoryPlan(str(lm.device), device_bytes, 0, per_session, items)
 
 
 def _sample_static(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor,
@@ -125,15 +178,19 @@ class PersonaPlexEngine(EngineRuntime):
         options: EngineOptions = EngineOptions(),
         model_name: str = "personaplex",
         is_demo: bool = False,
+        memory_plan: MemoryPlan | None = None,
     ) -> None:
         cfg = lm.cfg
+        # What the engine planned its device memory for (from_files); measured once its
+        # graphs are captured (settle_memory_plan).
+        self.memory_plan = memory_plan
         # The scratch slot (the last): tick graphs pad with it, voices are built in it.
         super().__init__(cfg, lm, mimi, tokenizer, voices, num_slots, lm.device, options.window, scratch=True)
         self.options = options
         log.info("LM weights on %s: %s", self.device, lm.describe_weights())
         self.kv = SlotKVRing(cfg.num_layers, num_slots + 1, cfg.num_heads, cfg.context, cfg.head_dim,
                              device=self.device, dtype=lm.dtype, fp8=options.kv_cache == "fp8")
-        self.prefills = PrefillCache(options.prefill_cache_entries, options.prefill_cache_bytes)
+        self.prefills = PrefillCache(options.prefill_cache_entries, options.memory.prefill_cache_bytes)
         # Accelerators sample with static shapes and no host sync (graph capture); the CPU
         # path keeps the cheaper data-dependent sampling.
         self._static_sampling = self.device.type == "cuda"
@@ -172,11 +229,14 @@ class PersonaPlexEngine(EngineRuntime):
     def from_files(
         cls,
         files: CheckpointFiles,
-        num_slots: int,
+        num_slots: int | None,
         options: EngineOptions = EngineOptions(),
         is_demo: bool = False,
     ) -> "PersonaPlexEngine":
+        """``num_slots`` None: as many as the memory plan fits (``plan_slots``)."""
         device = torch.device(options.device)
+        # Before anything of ours is on the device: what others (and our CUDA context) hold.
+        held_before = memory_probe.held_before(device)
         if options.lm_dtype is not None:
             lm_dtype = getattr(torch, options.lm_dtype)
         else:
@@ -207,11 +267,13 @@ class PersonaPlexEngine(EngineRuntime):
         log.info("loading Mimi weights from %s", files.mimi_weights)
         progress.report(progress.WEIGHTS, files.mimi_weights.name)
         mimi_state = SafetensorsReader(files.mimi_weights).state_dict()
+        num_slots, plan = plan_slots(lm, files.mimi_config, num_slots, options, held_before)
         mimi = MimiCodec.from_state_dict(files.mimi_config, mimi_state, num_slots + 1,
                                          window=options.window, device=device)
         tokenizer = TextTokenizer(files.tokenizer)
         voices = VoiceStore(files.voices_dir, files.root, files.voices_archive, cfg.dim, cfg.num_streams)
-        return cls(lm, mimi, tokenizer, voices, num_slots, options, model_name=files.name, is_demo=is_demo)
+        return cls(lm, mimi, tokenizer, voices, num_slots, options, model_name=files.name, is_demo=is_demo,
+                   memory_plan=plan)
 
     # The backend ------------------------------------------------------------------------------
     def prepare(self, spec: SessionSpec) -> Prefill:
@@ -295,6 +357,44 @@ class PersonaPlexEngine(EngineRuntime):
             self.graphs.capture_all()
         if self.prefill_graphs is not None:
             self.prefill_graphs.capture_all()
+
+    def settle_memory_plan(self) -> MemoryPlan | None:
+        """Measure the plan's items that could only be estimated before allocating (start-up,
+        once the graphs are captured): the graph pools, and the peak of a join of the longest
+        prompt, by a dry run of that join in the scratch slot.  The allocator keeps the
+        blocks the dry run freed, so later joins find them reserved.  Raises
+        ``MemoryPlanError`` (one line) when the measured plan does not fit."""
+        plan = self.memory_plan
+        if plan is None:
+            return None
+        self.prefills.clear()  # the warm-up's prompt: the cache starts empty, as planned
+        memory = self.options.memory
+        if self.device.type == "cuda":
+            plan = memory_probe.measure(plan, memory_probe.CudaCounters(self.device), self._dry_run_join,
+                                        memory.concurrent_joins, memory.sessions_setting)
+        else:
+            self._dry_run_join()  # the longest join works; its peak stays an estimate here
+        plan = replace(plan, stage="measured")
+        self.memory_plan = plan
+        for line in plan.lines():
+            log.info("%s", line)
+        if not plan.fits:
+            raise MemoryPlanError(plan.refusal(memory.sessions_setting))
+        return plan
+
+    def _dry_run_join(self) -> None:
+        """Prepare and install the longest prompt a join may bring (one as long as the window)
+        in the scratch slot, as the server's joins run, then wipe the slot."""
+        voice = self.voice_store.load(SessionSpec().voice)
+        rows = voice.embeddings.shape[0] if voice is not None else 0
+        plan = plan_prompt(self.cfg, voice, memory_probe.longest_persona(self.cfg, rows))
+        prefill = to_completion(prefill_pieces(self.lm, voice, plan, self.options.window, self.kv.capacity,
+                                               self.options.prefill_chunk, self.prefill_graphs, wait=True))
+        try:
+            self._install(self.scratch, prefill)
+        finally:
+            self._reset(self.scratch)
+        del prefill
 
     def greedy_tick_for(self, slots: Sequence[int]) -> bool:
         """Whether a tick of ``slots`` takes the argmaxes only (``EngineOptions.greedy_ticks``)."""

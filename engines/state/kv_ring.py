@@ -209,15 +209,18 @@ class SlotKVRing:
         n = keys.shape[2]
         keep = min(n, self.capacity)
         idx = torch.remainder(torch.arange(start + n - keep, start + n, device=self.length.device), self.capacity)
-        for data, scales, x in ((self.keys, self.key_scales, keys), (self.values, self.value_scales, values)):
-            x = x[:, :, n - keep:].to(device=data.device, dtype=self.dtype)
-            rows = data[:, slot]
-            if self.fp8:
-                q, scale = quantize_fp8(x)
-                rows[:, :, idx] = q
-                scales[:, slot][:, :, idx] = scale
-            else:
-                rows[:, :, idx] = x
+        # A layer at a time: the temporaries (the fp8 quantisation's) are one layer's, not
+        # the whole prompt's, so a join's peak stays what the memory plan reserved for it.
+        for layer in range(self.keys.shape[0]):
+            for data, scales, x in ((self.keys, self.key_scales, keys), (self.values, self.value_scales, values)):
+                x = x[layer, :, n - keep:].to(device=data.device, dtype=self.dtype)
+                rows = data[layer, slot]
+                if self.fp8:
+                    q, scale = quantize_fp8(x)
+                    rows[:, idx] = q
+                    scales[layer, slot][:, idx] = scale
+                else:
+                    rows[:, idx] = x
         self.length[slot] = start + n
 
 

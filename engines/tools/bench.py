@@ -32,7 +32,8 @@ import torch
 import torch._dynamo
 
 from engines.config import FRAME_SAMPLES, LMConfig
-from engines.runtime.torch_engine import PersonaPlexEngine
+from engines.runtime.memory_plan import MemorySettings
+from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
 from engines.interface import SamplingParams, SessionSpec, to_completion
 from engines.model.prefill import Prefill, build_prefill
 from engines.checkpoints.random_model import build_random_engine, fill_random_
@@ -360,7 +361,9 @@ def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Pat
     engine = build_random_engine(slots, "cuda", tokenizer, steps=args.depformer_steps,
                                  cuda_graphs=not args.no_cuda_graphs, kv_cache=config.kv_cache,
                                  compile=config.compile, weights=config.weights, fp8_matmul=config.fp8_matmul,
-                                 overlap_encode=config.overlap_encode)
+                                 overlap_encode=config.overlap_encode,
+                                 # Sized here (slots_that_fit), not by the server's memory plan.
+                                 options=EngineOptions(memory=MemorySettings(enabled=False)))
     weights_gb = engine.lm.weight_bytes() / 1e9
     log.info("%s: built a 7B-shaped engine with %d slots in %.1f s (LM weights %s)", config.name,
              slots, time.perf_counter() - t0, engine.lm.describe_weights())

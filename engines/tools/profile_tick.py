@@ -23,6 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from engines.tools.bench import GREEDY_SESSION, SAMPLED_SESSION, BenchConfig, full_window_prefill, typical_voice
 from engines.checkpoints.random_model import build_random_engine
+from engines.runtime.memory_plan import MemorySettings
+from engines.runtime.torch_engine import EngineOptions
 from engines.model.prefill import build_prefill
 from engines.checkpoints.tiny import train_tokenizer
 
@@ -44,7 +46,8 @@ def main() -> None:
     train_tokenizer(tok)
     engine = build_random_engine(args.batch, "cuda", tok, kv_cache=config.kv_cache, compile=config.compile,
                                  weights=config.weights, fp8_matmul=config.fp8_matmul,
-                                 overlap_encode=config.overlap_encode)
+                                 overlap_encode=config.overlap_encode,
+                                 options=EngineOptions(memory=MemorySettings(enabled=False)))  # a batch, not a plan
     base = build_prefill(engine.lm, typical_voice(engine.cfg), list(range(100, 200)), engine.options.window,
                          engine.kv.capacity)
     prefill = full_window_prefill(engine, base)

@@ -37,7 +37,7 @@ from ..ipc import wire
 from ..ipc.endpoints import engine_endpoint, engine_socket_path, pid_alive
 from ..lockstep.watchdog import Watchdog
 from ..metrics import Metrics, mark_process_dead
-from ..protocol.errors import engine_failure, failure_reason, is_typed_refusal, new_error_id, withheld
+from ..protocol.errors import counted_failure, engine_failure, new_error_id, withheld
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class _Worker:
 
 
 class EngineProcess:
-    def __init__(self, run_dir: Path, index: int, label: str, max_sessions: int, scheduler: Any, *,
+    def __init__(self, run_dir: Path, index: int, label: str, max_sessions: int | None, scheduler: Any, *,
                  metrics: Metrics, watchdog_deadline_s: float = 0.0) -> None:
         # Stalls are counted (and logged) here, once: each worker's own watchdog only warns
         # its sessions, since counting there would count a stall once per worker.
@@ -62,7 +62,7 @@ class EngineProcess:
         self.run_dir = run_dir
         self.index = index
         self.label = label
-        self.max_sessions = max_sessions
+        self._configured_sessions = max_sessions  # None: the engine's memory plan decides
         self.scheduler = scheduler
         self._metrics = metrics
         self._load_error_logged: str | None = None  # the error id the load failure was logged under
@@ -185,6 +185,13 @@ class EngineProcess:
         else:
             raise wire.WireError(f"unknown message kind {kind!r}")
 
+    @property
+    def max_sessions(self) -> int:
+        """The engine's slots once it has loaded; before, what was configured (0 for auto:
+        nothing is admitted while it loads anyway)."""
+        info = self.scheduler.info
+        return info.max_slots if info is not None else (self._configured_sessions or 0)
+
     def _held(self) -> int:
         """Slots held: the sessions admitted, or the slots the engine itself holds if more
         (one it could not give back must not be counted free)."""
@@ -259,8 +266,9 @@ class EngineProcess:
         else:
             self._release(key)
             refusal = engine_failure(error, "opening the session", log)
-            if not is_typed_refusal(error):  # (no free slot is a refusal, not a failure)
-                self._metrics.inc("open_failures", failure_reason(error))
+            reason = counted_failure(error)  # (no free slot is a refusal, not a failure)
+            if reason is not None:
+                self._metrics.inc("open_failures", reason)
             reply = {"key": key, "error": {"code": refusal.code, "message": refusal.message}}
         reply["held"] = self._held()  # the worker's view of the admission, exact at once
         self._send(identity, [wire.OPENED, wire.header(reply)])
@@ -331,6 +339,7 @@ class EngineProcess:
             "busy": None if busy is None else [busy.kind, busy.since, busy.sessions],
             "failed_ticks_in_row": scheduler.failed_ticks_in_row, "held": self._held(),
             "max_sessions": self.max_sessions, "loading": scheduler.loading_status(),
+            "memory_plan": scheduler.memory_plan,
             # Sessions held per front-end worker (by pid): which worker serves how many.
             "workers": {str(w.pid): len(w.keys) for w in self._workers.values() if w.pid},
         }

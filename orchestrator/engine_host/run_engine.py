@@ -44,11 +44,13 @@ def run_engine(run_dir: Path, index: int) -> int:
     metrics = Metrics(metrics_dir(run_dir))
     metrics.declare_device(label)
     scheduler = TickScheduler(factory, policy=settings.tick_policy_object(), silence_grace_s=settings.silence_grace_s,
-                              warmup_frames=settings.warmup_frames, metrics=metrics, device=label)
+                              warmup_frames=settings.warmup_frames, metrics=metrics, device=label,
+                              concurrent_joins=settings.concurrent_joins, join_wait_s=settings.join_wait_s)
     process = EngineProcess(run_dir, index, label, max_sessions, scheduler, metrics=metrics,
                             watchdog_deadline_s=settings.watchdog_deadline_s)
     process.bind()
-    log.info("engine %s: pid %d, max_sessions=%d, loading the model", label, process.status()["pid"], max_sessions)
+    log.info("engine %s: pid %d, max_sessions=%s, loading the model", label, process.status()["pid"],
+             "auto (the memory plan's)" if max_sessions is None else max_sessions)
     process.serve()
     return 0
 

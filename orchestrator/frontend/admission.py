@@ -15,13 +15,23 @@ from typing import Any, Callable
 class SlotPool:
     """Admission of an engine that runs in this process (``PERSONAPLEX_ENGINE_HOST=thread``)."""
 
-    def __init__(self, capacity: int, engine_taken: Callable[[], int] = lambda: 0) -> None:
-        # ``engine_taken``: the slots the engine holds (``TickScheduler.slots_taken``).
-        if capacity < 1:
+    def __init__(self, capacity: int | None, engine_taken: Callable[[], int] = lambda: 0,
+                 engine_slots: Callable[[], int | None] = lambda: None) -> None:
+        # ``engine_taken``: the slots the engine holds (``TickScheduler.slots_taken``);
+        # ``engine_slots``: its slot count once loaded, the capacity when ``capacity`` is None
+        # (the engine's memory plan decides; 0 until it has loaded).
+        if capacity is not None and capacity < 1:
             raise ValueError("capacity must be >= 1")
-        self.capacity = capacity
+        self._capacity = capacity
         self.admitted = 0
         self._engine_taken = engine_taken
+        self._engine_slots = engine_slots
+
+    @property
+    def capacity(self) -> int:
+        if self._capacity is not None:
+            return self._capacity
+        return self._engine_slots() or 0
 
     @property
     def held(self) -> int:

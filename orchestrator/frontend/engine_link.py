@@ -69,6 +69,7 @@ class EngineLink:
         self.failed_ticks_in_row = 0
         self.engine_pid: int | None = None
         self.max_sessions: int | None = None  # known from the first status
+        self.memory_plan: dict[str, Any] | None = None  # the engine's, once it has loaded (status)
         self.held = 0  # admitted sessions of this engine, all workers (from the status)
         self.sessions_by_worker: dict[int, int] = {}  # worker pid -> its sessions here (status)
         self._loading: dict[str, Any] | None = None  # the engine's load phase and progress (status)
@@ -341,6 +342,7 @@ class EngineLink:
         self.engine_pid = pid
         self._last_status = self._clock()
         self.max_sessions = int(status["max_sessions"])
+        self.memory_plan = status.get("memory_plan")
         self.held = int(status["held"])
         self.sessions_by_worker = {int(pid): int(n) for pid, n in status.get("workers", {}).items()}
         self.failed_ticks_in_row = int(status["failed_ticks_in_row"])

@@ -57,7 +57,8 @@ class DeviceEngine:
         self.label = label  # the device, made unique ("cpu#1") when a device serves twice
         self.admission: SlotPool | EngineAdmission = (
             EngineAdmission(scheduler) if isinstance(scheduler, EngineLink)
-            else SlotPool(max_sessions or 0, lambda: scheduler.slots_taken))
+            else SlotPool(max_sessions, lambda: scheduler.slots_taken,
+                          lambda: scheduler.info.max_slots if scheduler.info is not None else None))
         self.scheduler = scheduler
         self.watchdog = Watchdog(scheduler, watchdog_deadline_s, metrics,
                                  lambda call, elapsed: on_stall(self, call, elapsed),
@@ -139,6 +140,8 @@ class DeviceEngine:
         loading = self.loading_status()
         if loading is not None:
             body["loading"] = loading
+        if self.scheduler.memory_plan is not None:  # the engine's, measured at start-up
+            body["memory_plan"] = self.scheduler.memory_plan
         return body
 
     def loading_status(self) -> dict[str, Any] | None:
@@ -197,7 +200,8 @@ class EnginePool:
             factory = functools.partial(engine_factory, settings.checkpoint, **engine_kwargs)
             scheduler = TickScheduler(factory, policy=settings.tick_policy_object(),
                                       silence_grace_s=settings.silence_grace_s, warmup_frames=settings.warmup_frames,
-                                      metrics=metrics, device=label)
+                                      metrics=metrics, device=label, concurrent_joins=settings.concurrent_joins,
+                                      join_wait_s=settings.join_wait_s)
             engines.append(DeviceEngine(index, label, max_sessions, scheduler,
                                         watchdog_deadline_s=settings.watchdog_deadline_s, metrics=metrics,
                                         on_stall=on_stall))

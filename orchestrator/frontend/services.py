@@ -33,7 +33,7 @@ from ..ipc.endpoints import default_run_dir, metrics_dir, server_group_pid
 from ..lockstep.scheduler import EngineCall, FrameFailure, FrameResult
 from ..metrics import Metrics
 from ..protocol import libopus
-from ..protocol.errors import ProtocolError, engine_failure, failure_reason, is_typed_refusal
+from ..protocol.errors import ProtocolError, counted_failure, engine_failure
 from ..protocol.events import capabilities
 from ..settings import Settings
 from .access import AccessPolicy
@@ -114,7 +114,7 @@ class Services:
         if not self.in_process:
             await self.pool.wait_connected(timeout_s)
             log.info("engine processes answered: %s", ", ".join(
-                f"{e.label} pid {e.engine_pid} max_sessions={e.max_sessions}" for e in self.pool.engines))
+                f"{e.label} pid {e.engine_pid} max_sessions={e.max_sessions or 'auto'}" for e in self.pool.engines))
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -124,8 +124,8 @@ class Services:
                         "model (its speech is noise). To serve real weights set PERSONAPLEX_CHECKPOINT to a "
                         "nvidia/personaplex-7b-v1 checkpoint directory.")
         if self.in_process:
-            log.info("starting %d engine(s): backend=%s max_sessions=%d in all", len(self.pool.engines),
-                     self.settings.backend, self.max_sessions)
+            log.info("starting %d engine(s): backend=%s max_sessions=%s in all", len(self.pool.engines),
+                     self.settings.backend, self.max_sessions or "auto (each engine's memory plan)")
         if self.in_process:
             # The engine threads release the interpreter lock around every GPU call and wait
             # on the GPU; taking it back from a busy event loop costs up to one switch
@@ -233,8 +233,9 @@ class Services:
             except Exception as exc:  # noqa: BLE001 - a failed open allocated no engine slot
                 engine.cancel_admission()
                 error = _open_error(exc)
-                if _engine_failed(exc):  # the engine in this process (engine processes count their own)
-                    self.metrics.inc("open_failures", failure_reason(exc))
+                reason = counted_failure(exc) if _in_process(exc) else None
+                if reason is not None:  # the engine in this process (engine processes count their own)
+                    self.metrics.inc("open_failures", reason)
                 if error.code != "resource_exhausted":
                     raise error from None
                 refused_by.append(engine)
@@ -383,10 +384,9 @@ class Services:
         return (200 if reason is None else 503), body
 
 
-def _engine_failed(exc: Exception) -> bool:
-    """An open that raised in the engine itself (not a typed refusal, not an engine process's
-    answer)."""
-    return not (is_typed_refusal(exc) or isinstance(exc, (ProtocolError, EngineRefusal)))
+def _in_process(exc: Exception) -> bool:
+    """An open that raised in the engine of this process (not an engine process's answer)."""
+    return not isinstance(exc, (ProtocolError, EngineRefusal))
 
 
 def _open_error(exc: Exception) -> ProtocolError:

@@ -51,8 +51,8 @@ import numpy as np
 
 from engines import progress
 from engines.config import FRAME_SAMPLES, ConfigError
-from engines.errors import AudioInputError, CheckpointError
-from engines.interface import WAITING, Engine, EngineInfo, FrameOutput, Pieces, SessionSpec, SlotFault
+from engines.errors import AudioInputError, CheckpointError, MemoryPlanError
+from engines.interface import WAITING, Engine, EngineError, EngineInfo, FrameOutput, Pieces, SessionSpec, SlotFault
 
 from ..metrics import Metrics
 from ..own_clock import OwnClock
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 # Load failures caused by the checkpoint, a voice or the machine (not by this code): logged as
 # one line (the server stays up; /health says why).
-_INPUT_LOAD_ERRORS = (CheckpointError, ConfigError, AudioInputError, OSError, MemoryError)
+_INPUT_LOAD_ERRORS = (CheckpointError, ConfigError, AudioInputError, OSError, MemoryError, MemoryPlanError)
 
 _UNFINISHED = object()  # a job's preparation has pieces left
 JOBS_STALLED_PAUSE_S = 0.005
@@ -132,6 +132,14 @@ def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseEx
         pass
 
 
+class JoinTurnTimeout(EngineError):
+    """An open that waited longer than ``join_wait_s`` for its turn to be prepared: the server
+    is preparing as many joins as its memory plan allows (retryable)."""
+
+    code = "resource_exhausted"
+    reason = "join_wait_timeout"  # personaplex_open_failures_total{reason}
+
+
 @dataclass
 class _Job:
     """Control work that may take several pieces: opening a lane, or restarting one."""
@@ -142,6 +150,12 @@ class _Job:
     future: concurrent.futures.Future | None = None  # open: settled with the slot or the error
     pieces: Pieces | None = None  # the preparation under way, once its first piece ran
     waited: bool = False  # its last piece did nothing (engines.interface.WAITING)
+    queued_at: float = 0.0  # when it was asked for (an open's wait for its turn is bounded)
+
+    @property
+    def started(self) -> bool:
+        """Whether its preparation is under way (and may hold device memory for it)."""
+        return self.pieces is not None
 
 
 class _Lane:
@@ -173,6 +187,8 @@ class TickScheduler:
         metrics: Metrics,
         device: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        concurrent_joins: int = 1,
+        join_wait_s: float = 30.0,
     ) -> None:
         # ``device``: the label of this engine's device (one scheduler per device), for the
         # thread's name, the logs and the per-device metrics; None in single-engine tests.
@@ -189,6 +205,11 @@ class TickScheduler:
         self._closes: deque[tuple[str, concurrent.futures.Future]] = deque()
         self._closed_since_take = False  # closes ran since the latest tick took its frames
         self._jobs: deque[_Job] = deque()  # expensive control work, a piece at a time in turn
+        # Preparations under way at once, at most: the engine's memory plan reserves the
+        # longest prompt's peak for each (engines/runtime/memory_plan.py).  An open waits for
+        # its turn at most ``join_wait_s``, then is refused (JoinTurnTimeout), never allocated.
+        self._concurrent_joins = concurrent_joins
+        self._join_wait_s = join_wait_s
         self._after_tick = False
         self._waits_in_row = 0  # jobs in turn whose piece waited for another's
         self._last_take = float("-inf")  # when the latest tick's frames were taken
@@ -204,6 +225,7 @@ class TickScheduler:
         self.load_progress: progress.LoadProgress | None = None
         self.load_started: float | None = None
         self.info: EngineInfo | None = None
+        self.memory_plan: dict[str, Any] | None = None  # the engine's, measured (for /ready)
         self.voices: tuple[str, ...] = ()
         self.busy: EngineCall | None = None  # written by the engine thread only
         # Slots the engine itself holds (its max_slots - free_slots()), written by the engine
@@ -247,7 +269,7 @@ class TickScheduler:
         or the engine's ``EngineError``."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            self._jobs.append(_Job("open", key, spec, future))
+            self._jobs.append(_Job("open", key, spec, future, queued_at=self._clock()))
             self._cond.notify()
         return future
 
@@ -374,6 +396,10 @@ class TickScheduler:
                 engine = self._factory()
                 self.voices = tuple(engine.voices())
                 self._warm_up(engine)
+                # The plan's items measured (graph pools, the longest join's peak): a plan that
+                # does not fit ends the load with one line saying what does.
+                plan = engine.settle_memory_plan() if hasattr(engine, "settle_memory_plan") else None
+                self.memory_plan = plan.as_dict() if plan is not None else None
         except BaseException as exc:  # noqa: BLE001 - reported through /health and opens
             if isinstance(exc, _INPUT_LOAD_ERRORS) or type(exc).__name__ == "OutOfMemoryError":
                 # What the operator gave or has (files, memory): their message says it all.
@@ -421,9 +447,10 @@ class TickScheduler:
                 # before it at most (closes that keep arriving must not starve the live lanes).
                 if self._closes and (not ready or not self._closed_since_take):
                     return self._take_closes()
-                if self._jobs and (self._after_tick or not ready):
+                job = self._next_job(now) if self._jobs and (self._after_tick or not ready) else None
+                if job is not None:
                     self._after_tick = False
-                    return ("job", self._jobs.popleft())
+                    return ("job", job)
                 oldest = min(lane.frames[0][1] for lane in ready) if ready else None
                 decision = self._policy.decide(TickState(now, len(live), len(ready), oldest, self._last_take,
                                                          self._tick_s))
@@ -437,6 +464,26 @@ class TickScheduler:
                 if silence_due is not None:
                     wait = silence_due - now if wait is None else min(wait, silence_due - now)
                 self._cond.wait(wait)
+
+    def _next_job(self, now: float) -> _Job | None:
+        """Under the lock: the next job to run a piece of, in turn, among those under way and,
+        while fewer than ``concurrent_joins`` are, the longest waiting; opens that waited past
+        ``join_wait_s`` for their turn are refused here."""
+        expired = [job for job in self._jobs
+                   if not job.started and job.kind == "open" and now - job.queued_at > self._join_wait_s]
+        for job in expired:
+            self._jobs.remove(job)
+            log.warning("open of %s refused: no turn to prepare it within %g s (%d joins under way)", job.key,
+                        self._join_wait_s, self._concurrent_joins)
+            _settle(job.future, error=JoinTurnTimeout(
+                f"the server is preparing other sessions and had no turn for this one within "
+                f"{self._join_wait_s:g} s; try again"))
+        under_way = sum(1 for job in self._jobs if job.started)
+        for job in self._jobs:
+            if job.started or under_way < self._concurrent_joins:
+                self._jobs.remove(job)
+                return job
+        return None
 
     def _take_closes(self) -> tuple[str, list[tuple[str, concurrent.futures.Future]]]:
         """Under the lock: every queued close, for one engine call."""

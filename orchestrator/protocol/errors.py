@@ -96,6 +96,16 @@ def failure_reason(exc: BaseException) -> str:
     return "out_of_memory" if is_out_of_memory(exc) else "engine_error"
 
 
+def counted_failure(exc: BaseException) -> str | None:
+    """The reason an open's failure in the engine is counted under, or None for a refusal
+    that is no failure (an unknown voice, no free slot).  A typed refusal that names a
+    ``reason`` (the scheduler's ``JoinTurnTimeout``) is counted under it: the client was
+    told to retry, the operator sees how often."""
+    if is_typed_refusal(exc):
+        return getattr(exc, "reason", None)
+    return failure_reason(exc)
+
+
 def engine_failure(exc: BaseException, what: str, log: logging.Logger) -> "ProtocolError":
     """The client's error for an engine call that raised ``exc`` (``what``: the call, for the
     message).  The engine's typed errors for the client (an unknown voice, no free slot: an

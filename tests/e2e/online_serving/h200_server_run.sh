@@ -14,7 +14,7 @@
 # and the busiest threads every 20 s (top-threads.txt); per server, POLICY-server.tgz: its log
 # and start-up time (startup.txt).  Settings: WORKERS (front-end workers, default 4),
 # ENGINE_HOST (process | thread: the old one-process layout), MAX_SESSIONS (default: the
-# largest load), SPREAD_MS (default 80), WAV (default tests/data/input_assistant.wav), JOINER
+# largest load; auto when a load is "wall": see below), SPREAD_MS (default 80), WAV (default tests/data/input_assistant.wav), JOINER
 # (EVERY_S:CHARS: during each load, a session joins every EVERY_S seconds with a new persona of
 # CHARS characters and leaves once open, tests/e2e/online_serving/joiner.py; its open times go
 # in joiner.json; give MAX_SESSIONS one more than the load), and for a
@@ -40,8 +40,12 @@ workers=${WORKERS:-4}
 largest=0
 for load in "$@"; do
     n=0
-    for part in ${load//+/ }; do n=$((n + ${part%%:*})); done
-    [ "$n" -gt "$largest" ] && largest=$n
+    for part in ${load//+/ }; do
+        count=${part%%:*}
+        case $count in wall*) largest=auto; continue ;; esac  # sized by the server's memory plan
+        n=$((n + count))
+    done
+    [ "$largest" != auto ] && [ "$n" -gt "$largest" ] && largest=$n
 done
 mkdir -p "$out"
 [ -e .whl/lib/libopus.so.0 ] && export LD_LIBRARY_PATH=$PWD/.whl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -87,7 +91,9 @@ except Exception: print("")' 2>/dev/null)
     [ $((SECONDS - started)) -gt 600 ] && { echo "not ready in 600 s"; kill $server; exit 1; }
     sleep 1
 done
-echo "$policy: ready after $((SECONDS - started)) s (git $revision, $gpu, engine $engine_host, $workers worker(s), max_sessions $PERSONAPLEX_MAX_SESSIONS)" | tee -a "$server_dir/startup.txt"
+curl -s 127.0.0.1:8000/ready > "$server_dir/ready.json"  # the engine's memory plan among it
+wall=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["max_sessions"])' "$server_dir/ready.json")
+echo "$policy: ready after $((SECONDS - started)) s (git $revision, $gpu, engine $engine_host, $workers worker(s), max_sessions $PERSONAPLEX_MAX_SESSIONS: $wall)" | tee -a "$server_dir/startup.txt"
 model=$(curl -s 127.0.0.1:8000/v1/models | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
 # CPU seconds (user + system) of every process of the server (the hypercorn master and its
 # descendants), one line each: pid, name, seconds; the workers are the master's children
@@ -115,6 +121,19 @@ for pid in sorted(p for p in info if under(p)):
     print(pid, name, f"{seconds:.2f}")
 PY
 }
+# A load's SESSIONS may be "wall" or "wall-K": the server's max_sessions (its memory plan's,
+# with MAX_SESSIONS unset or auto), less K.
+resolved=()
+for load in "$@"; do
+    parts=""
+    for part in ${load//+/ }; do
+        count=${part%%:*}
+        case $count in wall*) count=$((wall ${count#wall})) ;; esac
+        parts="$parts${parts:++}$count:${part#*:}"
+    done
+    resolved+=("$parts")
+done
+set -- "${resolved[@]}"
 for load in "$@"; do
     first=${load%%+*}
     IFS=: read -r sessions frames processes protocol <<< "$first"
@@ -181,12 +200,12 @@ for load in "$@"; do
     sleep 5
 done
 if [ "$keep" = keep ]; then
-    tar -czf "$out/$policy-server.tgz" -C "$server_dir" server.log startup.txt
+    tar -czf "$out/$policy-server.tgz" -C "$server_dir" server.log startup.txt ready.json
     echo "the server goes on running (pid $server)"
     ls -la "$out"
     exit 0
 fi
 kill $server; wait $server 2>/dev/null
 sleep 3  # the engine host stops its engines once the server has gone
-tar -czf "$out/$policy-server.tgz" -C "$server_dir" server.log startup.txt
+tar -czf "$out/$policy-server.tgz" -C "$server_dir" server.log startup.txt ready.json
 ls -la "$out"
