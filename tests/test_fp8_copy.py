@@ -20,7 +20,6 @@ from engines.errors import CheckpointError
 from engines.interface import SamplingParams, SessionSpec
 from engines.model.fp8 import FP8_DTYPE
 from engines.checkpoints.weights_format import is_fp8_checkpoint
-from orchestrator.settings import Settings
 from tests.orch_support import Server, run, streams
 from tests.test_kv_fp8 import _tiny_logits
 
@@ -76,11 +75,22 @@ def test_an_eight_step_copy_refuses_sixteen_steps_and_is_smaller(tiny_checkpoint
         PersonaPlexEngine.from_files(ckpt.locate(out), 1, EngineOptions(depformer_steps=16))
 
 
-def test_the_server_admits_by_the_smaller_weights():
-    """The derived admission counts a 7B checkpoint quantized at load as ~9 GB, not ~17."""
-    bf16 = Settings.from_mapping({"checkpoint": "random:personaplex-7b"})._checkpoint_bytes()
-    fp8 = Settings.from_mapping({"checkpoint": "random:personaplex-7b", "weights": "fp8"})._checkpoint_bytes()
-    assert 16.5e9 < bf16 < 17.5e9 and 8.5e9 < fp8 < 9.5e9
+def test_the_memory_plan_counts_the_smaller_weights(tiny_checkpoint, copy16):
+    """The memory plan counts the weights as loaded: an fp8 copy's (and weights quantized at
+    load) take fewer bytes than the checkpoint's own, and what they save goes to sessions."""
+    from engines.runtime.memory_plan import MemorySettings
+
+    memory = MemorySettings(limit_bytes=64 << 20, margin_bytes=0, prefill_cache_bytes=0)
+    plans = {}
+    for name, files, weights in (("float32", tiny_checkpoint, "auto"), ("copy", copy16, "auto"),
+                                 ("at load", tiny_checkpoint, "fp8")):
+        engine = PersonaPlexEngine.from_files(ckpt.locate(files), None,
+                                              EngineOptions(weights=weights, memory=memory))
+        plans[name] = engine.memory_plan
+    full = plans["float32"].item("weights").bytes
+    for name in ("copy", "at load"):  # (the tiny model's weights are mostly its embeddings and Mimi's)
+        assert plans[name].item("weights").bytes < full - (512 << 10), name
+        assert plans[name].largest_fit() > plans["float32"].largest_fit(), name
 
 
 def test_refusals_are_one_line(tiny_checkpoint, copy16, tmp_path, capsys):
