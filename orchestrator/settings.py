@@ -140,6 +140,10 @@ class Settings:
     max_native_message_bytes: int = 256 * 1024
     max_pending_input_bytes: int = 16 * 1024 * 1024  # queued input (float32 at 24 kHz)
     max_output_buffer_bytes: int = 32 * 1024 * 1024  # unsent server events per session
+    # Connections one front-end worker holds (websockets in a session or a handshake, HTTP,
+    # those still closing); a websocket past it gets HTTP 503.  With the limits above it
+    # bounds the worker's memory (orchestrator/frontend/memory_bound.py).
+    max_connections_per_worker: int = 256
     close_timeout_s: float = 5.0  # how long a closing session may take to flush its events
     # /api/chat's Opus (orchestrator/protocol/ogg_opus.py): "libopus" (our binding; encoding
     # and decoding run without the interpreter lock, on as many cores as there are codec
@@ -204,7 +208,7 @@ class Settings:
                                 f"got {self.weights!r}")
         for name in ("frames_per_delta", "first_message_timeout_s", "idle_timeout_s",
                      "ready_wait_s", "max_event_bytes", "max_native_message_bytes", "max_pending_input_bytes",
-                     "max_output_buffer_bytes", "close_timeout_s"):
+                     "max_output_buffer_bytes", "max_connections_per_worker", "close_timeout_s"):
             positive(name)
         for name in ("batch_window_ms", "silence_grace_s", "warmup_frames"):
             positive(name, allow_zero=True)

@@ -360,13 +360,16 @@ def test_client_that_stops_reading_is_closed_and_others_go_on(orch_tuned_server:
                 await reader.send(f32_append(frames[reader_sent]))
                 reader_sent += 1
             await reader.drain(0.01)
+        # The stalled client reads again now: a client that reads nothing for close_timeout_s
+        # after the server closes it is aborted instead (no close frame; its memory is freed).
+        closing = asyncio.ensure_future(stalled.wait_closed(timeout=60))
         await asyncio.to_thread(orch_tuned_server.wait_free_slots, 1)  # the stalled session's slot is back
         for frame in frames:
             await reader.send(f32_append(frame))
         await reader.wait_audio_frames(reader_sent + len(frames))
         assert not [e for e in reader.events if e["type"] == "error"]
         assert len({d["response_id"] for d in reader.audio()}) == 1
-        code, reason = await stalled.wait_closed(timeout=60)
+        code, reason = await closing
         assert (code, reason) == (1008, "output_backpressure")
         await reader.close()
 

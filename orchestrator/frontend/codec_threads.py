@@ -123,7 +123,7 @@ class CodecThreads:
         self._metrics = metrics
         # Gathered on the loop until its pass ends (loop thread only): per encoding thread.
         self._encodes: list[list[tuple[OggOpusEncoder, np.ndarray, Done]]] = [[] for _ in range(encode_threads)]
-        self._decodes: list[tuple[OggOpusDecoder, bytes, Done]] = []
+        self._decodes: list[tuple[OggOpusDecoder, bytes, Done, Done | None]] = []
         self._encoding = 0  # frames asked for and not yet handed back (loop thread only)
         # Which encoding thread each stream's frames go to: the one with the fewest streams
         # when the stream starts (a stream's count goes when its encoder does).
@@ -158,12 +158,14 @@ class CodecThreads:
         self._encodes[lane].append((encoder, pcm, done))
         self._encoding += 1
 
-    def decode(self, decoder: OggOpusDecoder, data: bytes, done: Done) -> None:
+    def decode(self, decoder: OggOpusDecoder, data: bytes, done: Done, taken: Done | None = None) -> None:
         """Feed ``data`` to ``decoder``; ``done`` gets each piece of PCM as it is decoded
-        (possibly several calls) or the ``AudioError`` that ends the stream."""
+        (possibly several calls) or the ``AudioError`` that ends the stream; ``taken`` (if
+        given) gets ``len(data)`` once the decoder has taken the bytes (what a session counts
+        as waiting for the decoding thread)."""
         if not self._decodes:
             self._loop.call_soon(self._submit_decodes)
-        self._decodes.append((decoder, data, done))
+        self._decodes.append((decoder, data, done, taken))
 
     def close(self, decoder: OggOpusDecoder) -> None:
         """The session is over: stop polling ``decoder`` and end sphn 0.1's decoding thread."""
@@ -200,8 +202,18 @@ class CodecThreads:
 
     def _submit_decodes(self) -> None:
         batch, self._decodes = self._decodes, []
-        self._in.submit(lambda: [result for decoder, data, done in batch
-                                 if (result := self._feed(decoder, data, done)) is not None])
+
+        def job() -> list[tuple[Done, Any]]:
+            results = []
+            for decoder, data, done, taken in batch:
+                result = self._feed(decoder, data, done)
+                if result is not None:
+                    results.append(result)
+                if taken is not None:
+                    results.append((taken, len(data)))
+            return results
+
+        self._in.submit(job)
 
     @staticmethod
     def _hand_back(results: list[tuple[Done, Any]]) -> None:

@@ -1,9 +1,11 @@
 """One websocket connection: handshake, the event loop of its session, and closing.
 
 Handshake: the first ``session.update`` (within ``first_message_timeout_s``) opens the
-session; other events sent before it are held and run right after ``session.created``
-(a stock OpenAI client may pipeline appends).  A handshake failure sends one ``error`` and
-closes the socket; after that, errors never close it.
+session; other events sent before it are held as their text (up to
+``max_pending_input_bytes``) and run right after ``session.created`` (a stock OpenAI client
+may pipeline appends), each let go as it runs: neither they nor the opening event stay
+referenced for the session's life.  A handshake failure sends one ``error`` and closes the
+socket; after that, errors never close it.
 
 Slot accounting: whatever way the connection ends (``session.close``, idle timeout, a plain
 websocket close, a client that stops reading, shutdown) the engine slot is released once and
@@ -11,7 +13,9 @@ the admission slot is given back only after that.
 
 Limits: the caller's per-address and per-key counts (``limits.py``) are taken for the whole
 life of the socket; client events beyond ``max_events_per_s`` are dropped with at most one
-``event_rate_exceeded`` error a second.
+``event_rate_exceeded`` error a second.  A client that sends more than the websocket's
+inbound queue holds before the handler reads it (``inbound.py``) is closed with
+``input_backpressure``.  No message or event is kept referenced while the next is awaited.
 """
 
 from __future__ import annotations
@@ -20,16 +24,20 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+from collections import deque
 from typing import Any, Mapping
 
 from ..protocol import events as ev
 from ..protocol import json_codec
 from ..protocol.client_events import CLOSE_EVENTS, client_event_id, decode_event
 from ..protocol.errors import ProtocolError
+from ..protocol.held_bytes import ITEM_BYTES, held_bytes
 from ..protocol.session_config import SessionConfig, parse_session_update, session_payload
 from .close_codes import REFUSAL_CLOSE_CODES, REFUSAL_DEFAULT, SESSION_CLOSE_CODES, close_socket
 from .engine_pool import DeviceEngine
+from .inbound import InboundOverflow
 from .limits import EventRate
+from .memory_bound import max_session_object_bytes
 from .services import Services
 from .session import Session
 from .session_core import send_outbox
@@ -53,6 +61,7 @@ class Connection:
         self._engine: DeviceEngine | None = None  # where the session lives, once placed
         self._rate = EventRate(self.settings.max_events_per_s, self.settings.max_input_bytes_per_s,
                                self.settings.max_event_bytes)
+        self._held: deque[str] = deque()  # events sent before session.update, as their text
 
     async def run(self) -> None:
         assert self.client is not None, "run() needs the caller (only refuse_unsupported() goes without)"
@@ -67,16 +76,23 @@ class Connection:
             self.services.release_client(*self.client)
 
     async def _run(self) -> None:
-        opening = await self._handshake()
-        if opening is None:
+        first = await self._handshake()
+        if first is None:
             return
-        first_event, held = opening
-        session = await self._open(first_event)
+        eid = client_event_id(first)
+        try:
+            config = self._configure(first)
+        except ProtocolError as exc:
+            first = None
+            await self._refuse(exc, eid)
+            return
+        first = None  # the opening event (up to max_event_bytes) is not held while the session opens
+        session = await self._open(config, eid)
         if session is None:
             return
         sender = asyncio.ensure_future(send_outbox(self.ws, session, self.services.metrics))
         try:
-            reason = self._run_events(session, held) or await self._serve(session)
+            reason = self._run_held(session) or await self._serve(session)
             await self._finish(session, reason, sender)
         finally:
             # Reached by cancellation too: Quart cancels the handler when the client disconnects.
@@ -88,16 +104,21 @@ class Connection:
         await self._refuse(ProtocolError("unsupported", "Realtime API is not available"))
 
     # Handshake --------------------------------------------------------------------------------
-    async def _handshake(self) -> tuple[Mapping[str, Any], list[Mapping[str, Any]]] | None:
+    async def _handshake(self) -> Mapping[str, Any] | None:
+        """The opening ``session.update`` (other events before it wait in ``_held``), or None
+        once the socket is refused."""
         if self.autostart:
-            return {"type": "session.update", "session": {}}, []
+            return {"type": "session.update", "session": {}}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.first_message_timeout_s
-        held: list[Mapping[str, Any]] = []
-        held_bytes = 0
+        held_size = 0
         first = True
         while True:
-            message = await self._receive_before(deadline)
+            try:
+                message = await self._receive_before(deadline)
+            except InboundOverflow as exc:
+                await self._refuse(_inbound_error(exc))
+                return None
             if message is _SHUTDOWN:
                 self.services.metrics.inc("connections_refused", "shutdown")
                 await self._refuse(ProtocolError("server_shutting_down", "the server is shutting down", retryable=True))
@@ -106,12 +127,15 @@ class Connection:
                 await self._refuse(ProtocolError("config_timeout", "Timeout waiting for session.update"))
                 return None
             if not self._rate.allow(_size(message)):
+                message = None  # not held while the error is written
                 await self._rate_limited(None)
                 continue
             try:
                 event = decode_event(message, self.settings.max_event_bytes)
             except ProtocolError as exc:
-                if first and isinstance(message, str) and exc.code in ("invalid_json", "bad_event"):
+                refuse = first and isinstance(message, str) and exc.code in ("invalid_json", "bad_event")
+                message = None
+                if refuse:
                     await self._refuse(exc)
                     return None
                 await self._send_direct(exc)  # binary or oversize: say so, keep waiting
@@ -119,7 +143,7 @@ class Connection:
             first = False
             kind = event["type"]
             if kind == "session.update":
-                return event, held
+                return event
             if kind == "session.resume":
                 await self._refuse(ProtocolError("unsupported_session_resume", "session resume is not supported"),
                                    client_event_id(event))
@@ -129,12 +153,18 @@ class Connection:
                                        "reason": "client_close", "event": {"type": kind}})
                 await self._close_socket(1000, "client_close")
                 return None
-            if held_bytes + len(message) > self.settings.max_pending_input_bytes:
+            # Held as the text it came as, decoded again when it runs: what it costs is its size
+            # (a decoded event of many small values takes many times its text).
+            eid, event = client_event_id(event), None
+            size = held_bytes(message) + ITEM_BYTES
+            if held_size + size > self.settings.max_pending_input_bytes:
+                message = None
                 await self._send_direct(ProtocolError("input_backpressure", "too many events before session.update"),
-                                        client_event_id(event))
+                                        eid)
                 continue
-            held.append(event)
-            held_bytes += len(message)
+            self._held.append(message)
+            held_size += size
+            message = None
 
     async def _receive_before(self, deadline: float) -> Any:
         """The next message, or ``_TIMEOUT`` at ``deadline``, or ``_SHUTDOWN`` once draining."""
@@ -151,16 +181,15 @@ class Connection:
             return receive.result()
         return _SHUTDOWN if shutdown in done else _TIMEOUT
 
-    async def _open(self, event: Mapping[str, Any]) -> Session | None:
-        services = self.services
-        eid = client_event_id(event)
+    def _configure(self, event: Mapping[str, Any]) -> SessionConfig:
+        """The opening ``session.update`` -> the session's configuration (or ``ProtocolError``)."""
         defaults = SessionConfig(model=self.url_model or "", idle_timeout_s=self.settings.idle_timeout_s)
-        try:
-            config = parse_session_update(session_payload(event), defaults, is_open=False, input_rate_locked=False,
-                                          max_instructions_chars=self.settings.max_instructions_chars)
-        except ProtocolError as exc:
-            await self._refuse(exc, eid)
-            return None
+        return parse_session_update(session_payload(event), defaults, is_open=False, input_rate_locked=False,
+                                    max_instructions_chars=self.settings.max_instructions_chars,
+                                    max_session_bytes=max_session_object_bytes(self.settings))
+
+    async def _open(self, config: SessionConfig, eid: str | None) -> Session | None:
+        services = self.services
         session_id = ev.new_session_id()
         try:
             self._engine = await services.open_session(session_id, config.spec())
@@ -181,10 +210,13 @@ class Connection:
         return session
 
     # The open session -------------------------------------------------------------------------
-    def _run_events(self, session: Session, events: list[Mapping[str, Any]]) -> str | None:
-        for event in events:
-            reason = session.handle(event)
+    def _run_held(self, session: Session) -> str | None:
+        """Run the events held before the session opened, letting each go as it runs."""
+        held = self._held
+        while held:
+            reason = self._take(session, held.popleft())
             if reason is not None:
+                held.clear()
                 return reason
         return None
 
@@ -200,27 +232,39 @@ class Connection:
                 timeout = last_event + session.config.idle_timeout_s - loop.time()
                 if timeout <= 0:
                     return "timeout"
-                done, _ = await asyncio.wait((receive, session.stop), timeout=timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait((receive, session.stop), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if session.stop.done():
                     return session.stop.result()
-                if receive in done:
-                    message, receive = receive.result(), None
+                if receive.done():
+                    done, receive = receive, None
+                    try:
+                        message = done.result()
+                    except InboundOverflow as exc:
+                        session.emit_error(_inbound_error(exc))
+                        return "input_backpressure"
+                    finally:
+                        del done
                     last_event = loop.time()
                     if not self._rate.allow(_size(message)):
+                        message = None  # not held while the error is written
                         await self._rate_limited(session)
                         continue
-                    try:
-                        event = decode_event(message, self.settings.max_event_bytes)
-                    except ProtocolError as exc:
-                        session.emit_error(exc)
-                        continue
-                    reason = session.handle(event)
+                    reason = self._take(session, message)
+                    message = None  # not held while the next one is awaited
                     if reason is not None:
                         return reason
         finally:
             if receive is not None:
                 receive.cancel()
+
+    def _take(self, session: Session, message: Any) -> str | None:
+        """One client message within the rate limits; returns a close reason if it ends the session."""
+        try:
+            event = decode_event(message, self.settings.max_event_bytes)
+        except ProtocolError as exc:
+            session.emit_error(exc)
+            return None
+        return session.handle(event)
 
     # Closing ----------------------------------------------------------------------------------
     def _release(self, session: Session, reason: str) -> concurrent.futures.Future:
@@ -277,6 +321,10 @@ class Connection:
 
     async def _close_socket(self, code: int, reason: str) -> None:
         await close_socket(self.ws, code, reason, self.settings.close_timeout_s)
+
+
+def _inbound_error(exc: InboundOverflow) -> ProtocolError:
+    return ProtocolError("input_backpressure", f"{exc}; send events no faster than the server reads them")
 
 
 def _size(message: Any) -> int:

@@ -35,6 +35,7 @@ from ..protocol import native
 from ..protocol.errors import ProtocolError
 from .close_codes import REFUSAL_CLOSE_CODES, REFUSAL_DEFAULT, SESSION_CLOSE_CODES, close_socket
 from .engine_pool import DeviceEngine
+from .inbound import InboundOverflow
 from .limits import EventRate
 from .native_session import PROTOCOL, NativeSession
 from .session_core import send_outbox
@@ -124,14 +125,21 @@ class NativeConnection:
                 timeout = last_message + idle_timeout - loop.time()
                 if timeout <= 0:
                     return "timeout"
-                done, _ = await asyncio.wait((receive, session.stop), timeout=timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait((receive, session.stop), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if session.stop.done():
                     return session.stop.result()
-                if receive in done:
-                    message, receive = receive.result(), None
+                if receive.done():
+                    done, receive = receive, None
+                    try:
+                        message = done.result()
+                    except InboundOverflow as exc:
+                        session.emit_error(ProtocolError("input_backpressure", str(exc)))
+                        return "input_backpressure"
+                    finally:
+                        del done
                     last_message = loop.time()
                     self._take(session, message)
+                    message = None  # not held while the next one is awaited
         finally:
             if receive is not None:
                 receive.cancel()

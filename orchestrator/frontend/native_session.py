@@ -23,6 +23,7 @@ from ..metrics import Metrics
 from ..protocol import native
 from ..protocol.audio import AudioError, InputStream
 from ..protocol.errors import ProtocolError, new_error_id, withheld
+from ..protocol.held_bytes import ITEM_BYTES
 from ..settings import Settings
 from .codec_threads import CodecThreads
 from .session_core import F32_FRAME_BYTES, SessionCore
@@ -45,8 +46,11 @@ class NativeSession(SessionCore):
         self._decoder = codec.new_decoder(max_ahead_s=settings.max_pending_input_bytes / F32_FRAME_BYTES / FRAME_RATE)
         self._input = InputStream(SAMPLE_RATE)
         # Per frame at the encoder, in order: the arrivals its pages answer ("arrival" =
-        # decoded, here).
-        self._encoding: deque[tuple[float, ...]] = deque()
+        # decoded, here) and what its PCM counts in the outbox until its pages are back.
+        self._encoding: deque[tuple[tuple[float, ...], int]] = deque()
+        # Client bytes handed to the decoding thread and not yet taken by the decoder: at most
+        # one message past max_native_message_bytes (docs/ORCHESTRATOR.md, "Host memory").
+        self._decoding = 0
         self._last_report = float("-inf")
 
     # Sending ----------------------------------------------------------------------------------
@@ -65,7 +69,20 @@ class NativeSession(SessionCore):
     # Client audio -----------------------------------------------------------------------------
     def feed(self, pages: bytes) -> None:
         """Ogg/Opus bytes of a ``0x01`` message, any chunking."""
-        self._codec.decode(self._decoder, pages, self._on_pcm)
+        if self.stop.done():
+            return
+        if self._decoding and self._decoding + len(pages) > self._settings.max_native_message_bytes:
+            # The decoding thread is that far behind this client: the bytes cannot wait
+            # without bound, and skipping them would cut the stream mid-page.
+            self.emit_error(ProtocolError("input_backpressure", f"more than {self._settings.max_native_message_bytes} "
+                                          "bytes of audio are waiting to be decoded"))
+            self.request_stop("input_backpressure")
+            return
+        self._decoding += len(pages)
+        self._codec.decode(self._decoder, pages, self._on_pcm, self._taken)
+
+    def _taken(self, n: int) -> None:
+        self._decoding -= n
 
     def _on_pcm(self, pcm: np.ndarray | AudioError) -> None:
         if self.state != "open" or self.stop.done():
@@ -98,11 +115,16 @@ class NativeSession(SessionCore):
     def _on_frame(self, result: FrameResult, answers: tuple[float, ...]) -> None:
         if result.text:  # "" for the padding tokens, which the reference does not send either
             self._put(native.text_message(result.text))
-        self._encoding.append(answers)
+        cost = result.pcm16.nbytes + ITEM_BYTES  # held until its pages are back
+        if not self.outbox.reserve(cost):
+            self._overflow()
+            return
+        self._encoding.append((answers, cost))
         self._codec.encode(self._encoder, result.pcm16, self._on_pages)
 
     def _on_pages(self, pages: list[bytes] | Exception) -> None:
-        answers = self._encoding.popleft()
+        answers, cost = self._encoding.popleft()
+        self.outbox.release(cost)
         if isinstance(pages, Exception):
             error_id = new_error_id()
             log.error("session %s: Opus encoding failed [%s]: %s", self.id, error_id, pages)

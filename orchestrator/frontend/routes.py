@@ -19,9 +19,12 @@ from ..protocol.errors import ProtocolError
 from ..settings import Settings, StartupError
 from .access import Caller
 from .connection import Connection
+from .inbound import bounded_websocket_class
+from .memory_bound import describe, inbound_limit
 from .native_connection import NativeConnection
 from .services import EngineFactory, Services
 from .start_failure import end_start_up
+from .transport_bounds import bound_message_assembly, bound_transport_close, live_connections
 from .web import register_web
 from .ws_compression import refuse_permessage_deflate
 from .ws_drain import DrainAfterClose
@@ -61,6 +64,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory |
             if exit_on_start_failure:
                 end_start_up(str(exc))
             raise
+        _bound_host_memory(app, services())
 
     @app.after_serving
     async def stop() -> None:
@@ -106,6 +110,9 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory |
             caller = _gate(services())
             if isinstance(caller, Response):
                 return caller
+            refused = _connection_gate(services())
+            if refused is not None:
+                return refused
             # Only the duplex handler is mounted here (reference: turn-based is "not available").
             await Connection(websocket, services(), url_model=None, autostart=False).refuse_unsupported()
             return None
@@ -140,6 +147,18 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory |
     return app
 
 
+def _bound_host_memory(app: Quart, svc: Services) -> None:
+    """What a client can make this worker hold (docs/ORCHESTRATOR.md, "Host memory"): the
+    messages its handler has not read, the message hypercorn assembles, a closed connection's
+    transport; the bound is logged once per server."""
+    settings = svc.settings
+    app.asgi_websocket_class = bounded_websocket_class(inbound_limit(settings))
+    bound_message_assembly(settings.max_event_bytes)
+    bound_transport_close(settings.close_timeout_s)
+    if svc.speaks_for_server:
+        log.info("%s", describe(settings))
+
+
 def request_arg(name: str, default: str) -> str:
     return websocket.args.get(name, default)
 
@@ -151,6 +170,9 @@ async def _accept(svc: Services) -> tuple[str, str | None] | Response:
     caller = _gate(svc)
     if isinstance(caller, Response):
         return caller
+    refused = _connection_gate(svc)
+    if refused is not None:
+        return refused
     if svc.settings.refuse_when_full == "http":
         refused = _placement_gate(svc)
         if refused is not None:
@@ -174,6 +196,20 @@ def _gate(svc: Services) -> Caller | Response:
         return _http_error(401, "invalid_api_key", "missing or unknown API key (send Authorization: Bearer <key>, "
                            "the subprotocol openai-insecure-api-key.<key>, or ?api_key=<key>)")
     return caller
+
+
+def _connection_gate(svc: Services) -> Response | None:
+    """Past ``max_connections_per_worker`` connections held by this worker (this one, and
+    those still closing, included) a websocket gets an HTTP 503 with ``Retry-After``: what a
+    worker holds is bounded by that many connections' worth (memory_bound.py)."""
+    limit = svc.settings.max_connections_per_worker
+    if live_connections() <= limit:
+        return None
+    svc.metrics.inc("connections_refused", "worker_full")
+    response = _http_error(503, "connection_limit_exceeded", f"this server worker already holds {limit} "
+                           "connections (PERSONAPLEX_MAX_CONNECTIONS_PER_WORKER); try again later")
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 def _placement_gate(svc: Services) -> Response | None:

@@ -28,6 +28,7 @@ from ..protocol.client_events import CLOSE_EVENTS, client_event_id, parse_append
 from ..protocol.errors import ProtocolError
 from ..protocol.session_config import SessionConfig, parse_session_update, session_payload
 from ..settings import Settings
+from .memory_bound import max_session_object_bytes
 from .session_core import SessionCore
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,8 @@ class Session(SessionCore):
     def _update(self, event: Mapping[str, Any]) -> None:
         self.config = parse_session_update(session_payload(event), self.config, is_open=True,
                                            input_rate_locked=self._input is not None,
-                                           max_instructions_chars=self._settings.max_instructions_chars)
+                                           max_instructions_chars=self._settings.max_instructions_chars,
+                                           max_session_bytes=max_session_object_bytes(self._settings))
         self.emit({"type": "session.updated", "session": self.public()})
 
     def _append(self, event: Mapping[str, Any]) -> None:

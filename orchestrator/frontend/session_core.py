@@ -26,6 +26,7 @@ from ..lockstep.scheduler import FrameFailure, FrameResult, TickScheduler
 from ..metrics import Metrics
 from ..protocol.audio import InputStream
 from ..protocol.errors import ProtocolError
+from ..protocol.held_bytes import ITEM_BYTES, held_bytes
 from ..settings import Settings
 
 log = logging.getLogger(__name__)
@@ -33,59 +34,88 @@ log = logging.getLogger(__name__)
 F32_FRAME_BYTES = FRAME_SAMPLES * 4  # one frame of input as it waits for the model
 
 
+# A message being sent exists three times until the transport has taken it: our text, the
+# frame hypercorn's websocket layer built from it (wsproto's bytes), and the transport's copy
+# of what the socket has not accepted yet.  (While the frame is built, wsproto holds two more
+# copies for a moment; that is one message at a time per worker, as the event loop runs one
+# send at a time: a per-worker term, docs/ORCHESTRATOR.md, "Host memory".)
+IN_FLIGHT_COPIES = 3
+
+
 class Outbox:
     """A session's unsent server events, bounded in bytes.
 
-    The tick never waits for a client: if this grows past ``limit`` the client is not
-    reading, and the session is closed instead (``put`` returns False).  Errors and endings
-    (``force``) may go past ``limit``, but only by ``limit`` again: a client that sends bad
-    events and reads nothing cannot grow the queue without bound either.
+    Every message counts (``protocol.held_bytes``) from ``put`` until the transport has taken
+    it: queued ones once (plus ``ITEM_BYTES``), the one being sent ``IN_FLIGHT_COPIES`` times.
+    The tick never waits for a client: if this grows past ``limit`` the client is not reading,
+    and the session is closed instead (``put`` returns False).  Errors and endings (``force``)
+    may go past ``limit``, but only by ``limit`` again: a client that sends bad events and reads
+    nothing cannot grow the queue without bound either.  ``reserve`` counts bytes that will
+    become messages (PCM waiting for the Opus encoder) the same way.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.bytes = 0  # queued plus the one being sent
-        # (json text, response id or None, arrival times of the client frames it answers)
-        self._items: deque[tuple[str, str | None, tuple[float, ...]]] = deque()
+        self.bytes = 0  # queued, reserved, and the one being sent (IN_FLIGHT_COPIES times)
+        # (text, response id or None, arrival times of the client frames it answers, its cost)
+        self._items: deque[tuple[str | bytes, str | None, tuple[float, ...], int]] = deque()
+        self._sending = 0  # the cost of the message being sent (0: none)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
 
     def put(self, text: str | bytes, tag: str | None = None, force: bool = False,
             answers: tuple[float, ...] = ()) -> bool:
-        if self.bytes + len(text) > (2 * self.limit if force else self.limit):
+        cost = held_bytes(text) + ITEM_BYTES
+        if not self.reserve(cost, force):
             return False
-        self._items.append((text, tag, answers))
-        self.bytes += len(text)
+        self._items.append((text, tag, answers, cost))
         self._wake.set()
+        return True
+
+    def reserve(self, cost: int, force: bool = False) -> bool:
+        """Count ``cost`` more bytes, or False (nothing counted) past the limit."""
+        if self.bytes + cost > (2 * self.limit if force else self.limit):
+            return False
+        self.bytes += cost
         self._idle.clear()
         return True
 
-    async def get(self) -> tuple[str, tuple[float, ...]]:
-        """The next event's text and the arrival times of the client frames it answers."""
+    def release(self, cost: int) -> None:
+        """Uncount what ``reserve`` counted."""
+        self.bytes -= cost
+        self._maybe_idle()
+
+    async def get(self) -> tuple[str | bytes, tuple[float, ...]]:
+        """The next event's text and the arrival times of the client frames it answers; it
+        counts ``IN_FLIGHT_COPIES`` times until ``sent``."""
         while not self._items:
             self._wake.clear()
             await self._wake.wait()
-        text, _, answers = self._items.popleft()
+        text, _, answers, cost = self._items.popleft()
+        self._sending = cost
+        self.bytes += (IN_FLIGHT_COPIES - 1) * cost
         return text, answers
 
-    def sent(self, text: str) -> None:
-        self.bytes -= len(text)
-        if not self._items and self.bytes == 0:
-            self._idle.set()
+    def sent(self) -> None:
+        """The transport has taken the message ``get`` returned last."""
+        self.bytes -= IN_FLIGHT_COPIES * self._sending
+        self._sending = 0
+        self._maybe_idle()
 
     def drop(self, tag: str) -> None:
         """Forget queued events of one response (an accepted cancel drops unsent deltas)."""
-        kept = deque(item for item in self._items if item[1] != tag)
-        self.bytes -= sum(len(text) for text, t, _ in self._items if t == tag)
-        self._items = kept
-        if not self._items and self.bytes == 0:
-            self._idle.set()
+        self.bytes -= sum(item[3] for item in self._items if item[1] == tag)
+        self._items = deque(item for item in self._items if item[1] != tag)
+        self._maybe_idle()
 
     def clear(self) -> None:
-        self.bytes -= sum(len(text) for text, _, _ in self._items)
+        self.bytes -= sum(item[3] for item in self._items)
         self._items.clear()
-        if self.bytes == 0:
+        self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if not self._items and self.bytes == 0:
             self._idle.set()
 
     async def drained(self) -> None:
@@ -102,7 +132,8 @@ async def send_outbox(ws: Any, session: Any, metrics: Metrics) -> None:
         while True:
             message, answers = await outbox.get()
             await ws.send(message)
-            outbox.sent(message)
+            del message  # not held while the next one is awaited
+            outbox.sent()
             if answers:  # audio: the client frames it answers have their output out
                 now = time.monotonic()
                 for arrival in answers:

@@ -18,7 +18,8 @@ from typing import Any
 MAX_MESSAGE_CHARS = 1000  # an error's message: client values in it are cut (engines.interface.shown)
 
 RATE_LIMIT_CODES = frozenset({"resource_exhausted", "input_backpressure", "output_backpressure",
-                              "session_limit_exceeded", "open_rate_limited", "event_rate_exceeded"})
+                              "session_limit_exceeded", "open_rate_limited", "event_rate_exceeded",
+                              "connection_limit_exceeded"})
 SERVER_ERROR_CODES = frozenset({
     "internal_error", "engine_error", "engine_unavailable", "commit_aborted", "server_vad_unavailable",
     "runtime_append_failed", "runtime_append_task_failed", "runtime_signal_failed", "runtime_abort_failed",

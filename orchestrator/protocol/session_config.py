@@ -18,8 +18,10 @@ from typing import Any, Mapping
 from engines.config import DEFAULT_PERSONA, DEFAULT_VOICE, SAMPLE_RATE
 from engines.interface import MAX_TEMPERATURE, SamplingParams, SessionSpec, is_text, shown
 
+from . import json_codec
 from .audio import INPUT_CODECS, OUTPUT_CODECS, AudioError, canonical_codec, check_rate
 from .errors import ProtocolError
+from .held_bytes import held_bytes
 
 SERVER_OWNED_EXTRA_BODY_KEYS = (
     "personaplex_prefill_slots", "personaplex_model_path", "personaplex_voice_prompt", "personaplex_persona",
@@ -34,6 +36,9 @@ DEFAULT_MODALITIES = ("text", "audio")
 # The session object is echoed back in every session.updated: deeper nesting than any real
 # client sends is refused here, so our own encoder can never hit its recursion limit.
 MAX_SESSION_DEPTH = 32
+# What a decoded JSON value takes besides its text: the object header, its slot in its list or
+# object (a one-character string is ~60 bytes), rounded up.
+VALUE_BYTES = 128
 # A client may keep an idle session open this long at most: a silent socket holds a slot
 # (the server default, PERSONAPLEX_IDLE_TIMEOUT_S, is 300 s).
 MAX_IDLE_TIMEOUT_S = 3600.0
@@ -86,6 +91,7 @@ def parse_session_update(
     is_open: bool,
     input_rate_locked: bool,
     max_instructions_chars: int | None = None,
+    max_session_bytes: int | None = None,
 ) -> SessionConfig:
     """Apply ``payload`` to ``current``; raises ``ProtocolError`` without changing anything.
 
@@ -93,6 +99,9 @@ def parse_session_update(
     ``input_rate_locked``: audio was received, so the input rate can no longer change.
     ``max_instructions_chars``: the longest persona accepted (each persona token costs one
     prefill step of the engine thread that every session shares).
+    ``max_session_bytes``: what the client's fields of the session may cost the server to hold
+    and to echo in every ``session.updated`` (``client_fields_bytes``); more is
+    ``session_too_large``.
     """
     if _depth(payload, MAX_SESSION_DEPTH) > MAX_SESSION_DEPTH:
         raise ProtocolError("bad_event", f"the session object is nested deeper than {MAX_SESSION_DEPTH} levels",
@@ -191,7 +200,25 @@ def parse_session_update(
     echoed = dict(current.echoed)
     echoed.update({k: payload[k] for k in ECHOED_FIELDS if k in payload})
     changes["echoed"] = echoed
-    return replace(current, **changes)
+    updated = replace(current, **changes)
+    if max_session_bytes is not None:
+        size = client_fields_bytes(updated)
+        if size > max_session_bytes:
+            raise ProtocolError("session_too_large", f"the session's own fields (instructions, metadata, tools and "
+                                f"the other fields echoed in session.updated) would take {size} bytes; at most "
+                                f"{max_session_bytes} are kept (text beyond ASCII counts 4 bytes a character)",
+                                param="session")
+    return updated
+
+
+def client_fields_bytes(config: SessionConfig) -> int:
+    """What the fields a client chose cost the server: their text as it is echoed
+    (``protocol.held_bytes``), and ``VALUE_BYTES`` a value for the objects they are held as
+    (one value per comma, those in strings too, and one).  The rest of the session object is
+    the server's, a few KB."""
+    fields = [config.model, config.voice, config.instructions, config.turn_detection, config.audio, config.echoed]
+    text = json_codec.dumps(fields)
+    return held_bytes(text) + VALUE_BYTES * (text.count(",") + 1)
 
 
 def _depth(value: Any, limit: int) -> int:
