@@ -156,9 +156,9 @@ class _Allocator:
     """The allocator counters ``memory_probe.measure`` reads, as a stand-in for a GPU's: the
     compile and capture left ``one_off`` bytes cached, and a join allocates ``join`` bytes."""
 
-    def __init__(self, held: int, one_off: int, join: int, fail: bool = False) -> None:
+    def __init__(self, held: int, one_off: int, join: int, fail: bool = False, others: int = 0) -> None:
         self.allocated_now, self.reserved_now, self.peak = held, held + one_off, held
-        self.join, self.fail = join, fail
+        self.join, self.fail, self.others = join, fail, others
 
     def synchronize(self) -> None:
         pass
@@ -178,6 +178,12 @@ class _Allocator:
     def peak_allocated(self) -> int:
         return self.peak
 
+    def peak_reserved(self) -> int:
+        return self.reserved_now
+
+    def held_by_others(self) -> int:
+        return self.others
+
     def dry_run(self) -> None:
         if self.fail:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 758.00 MiB")
@@ -191,8 +197,8 @@ def test_the_graphs_and_a_join_are_measured_from_the_allocator():
     (times the joins prepared at once); a dry run out of memory is the one-line refusal."""
     from engines.runtime import memory_probe
 
-    plan = choose_sessions(_plan(100 * GIB, GIB, weights=16 * GIB, graphs=5 * GIB, joins=2 * GIB, margin=GIB),
-                           70, "PERSONAPLEX_MAX_SESSIONS")
+    plan = choose_sessions(_plan(100 * GIB, GIB, not_ours=0, weights=16 * GIB, graphs=5 * GIB, joins=2 * GIB,
+                                 margin=GIB), 70, "PERSONAPLEX_MAX_SESSIONS")
     held = 16 * GIB + plan.session_bytes + 3 * GIB  # the graphs hold 3 GiB
     allocator = _Allocator(held, one_off=4 * GIB, join=GIB + GIB // 2)
     measured = memory_probe.measure(plan, allocator, allocator.dry_run, 2, "PERSONAPLEX_MAX_SESSIONS")
@@ -203,3 +209,33 @@ def test_the_graphs_and_a_join_are_measured_from_the_allocator():
     with pytest.raises(MemoryPlanError, match=r"^PERSONAPLEX_MAX_SESSIONS=70: the dry run of the longest join ran "
                                               r"out of memory on cuda:0 .*set it lower or free the device"):
         memory_probe.measure(plan, failing, failing.dry_run, 1, "PERSONAPLEX_MAX_SESSIONS")
+
+
+def test_the_context_measured_again_and_an_auto_plan_over_by_a_little_keeps_a_smaller_cache():
+    """``not_ours`` is measured again once the graphs are captured (the CUDA context grows as
+    kernel modules load); an auto plan that measures a little over its estimate takes what is
+    missing out of the prefill cache's room (the slots are allocated by then), and one that
+    measures over by more than that room, or a plan asked for, is refused."""
+    from dataclasses import replace
+
+    from engines.runtime import memory_probe
+
+    plan = _plan(100 * GIB, GIB, not_ours=GIB // 2, weights=16 * GIB, graphs=5 * GIB, joins=2 * GIB, margin=GIB)
+    plan = plan.with_item(PlanItem("not_ours", GIB // 2, "measured"))
+    plan = choose_sessions(plan, 70, "PERSONAPLEX_MAX_SESSIONS")
+    held = 16 * GIB + plan.session_bytes + 3 * GIB
+    allocator = _Allocator(held, one_off=0, join=GIB, others=GIB)
+    measured = memory_probe.measure(plan, allocator, allocator.dry_run, 1, "PERSONAPLEX_MAX_SESSIONS")
+    assert measured.item("not_ours") == PlanItem("not_ours", GIB, "measured")
+
+    memory = MemorySettings(limit_bytes=64 * MIB, margin_bytes=MIB, prefill_cache_bytes=4 * MIB)
+    engine = create_engine(None, max_slots=None, device="cpu", memory=memory)
+    auto = engine.memory_plan
+    over = replace(auto, device_bytes=auto.total - MIB)  # measured 1 MiB over the room
+    fitted = engine._fit_auto(over)
+    assert fitted.fits and fitted.item("prefill_cache").bytes == 3 * MIB == engine.prefills.max_bytes
+    too_far = replace(auto, device_bytes=auto.total - 5 * MIB)
+    assert not engine._fit_auto(too_far).fits
+    assert "=auto (" in too_far.refusal("PERSONAPLEX_MAX_SESSIONS")
+    asked = replace(over, auto=False)
+    assert engine._fit_auto(asked) is asked

@@ -84,6 +84,7 @@ class MemoryPlan:
     per_session: int  # bytes of one slot's state
     items: tuple[PlanItem, ...]  # everything but the sessions, in ITEM_ORDER
     stage: str = "estimate"  # "estimate" (before allocating) or "measured" (after the dry run)
+    auto: bool = False  # the sessions are the most that fit (not asked for)
 
     @property
     def session_bytes(self) -> int:
@@ -140,7 +141,8 @@ class MemoryPlan:
         largest = self.largest_fit()
         fix = (f"set it to {largest} or less, or free memory (plan: {self.summary()})" if largest
                else f"not even one session fits (plan: {self.summary()})")
-        return f"{asked_by}={self.sessions} does not fit the memory of {self.device}: {fix}"
+        asked = f"auto ({self.sessions})" if self.auto else self.sessions
+        return f"{asked_by}={asked} does not fit the memory of {self.device}: {fix}"
 
     def as_dict(self) -> dict[str, Any]:
         """The plan for ``/ready`` (bytes)."""
@@ -168,7 +170,7 @@ def choose_sessions(plan: MemoryPlan, asked: int | None, asked_by: str) -> Memor
         if largest < 1:
             raise MemoryPlanError(f"{asked_by}=auto: not even one session fits the memory of {plan.device} "
                                   f"(plan: {plan.with_sessions(1).summary()})")
-        return plan.with_sessions(largest)
+        return replace(plan, sessions=largest, auto=True)
     plan = plan.with_sessions(asked)
     if not plan.fits:
         raise MemoryPlanError(plan.refusal(asked_by))

@@ -9,6 +9,8 @@ once they are captured.
 
 from __future__ import annotations
 
+import gc
+import logging
 from typing import Callable, Iterable
 
 import torch
@@ -17,6 +19,8 @@ from engines.config import AUDIO_SILENCE_FRAMES, LMConfig
 from engines.errors import MemoryPlanError
 from engines.runtime.memory_plan import GIB, MemoryPlan, PlanItem
 from engines.state.kv_ring import SlotKVRing
+
+log = logging.getLogger(__name__)
 
 # Before capture, what the graph pools, workspaces and allocator slack beside them are
 # taken to be on a GPU (checked after capture, when they are measured).  At the 7B shapes
@@ -143,19 +147,36 @@ class CudaCounters:
     def peak_allocated(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
 
+    def peak_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def held_by_others(self) -> int:
+        """What the device holds beyond this allocator's reserve: other processes, and our CUDA
+        context with the kernel modules it has loaded since the engine started."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free - self.reserved()
+
 
 def measure(plan: MemoryPlan, counters: CudaCounters, dry_run: Callable[[], None], joins: int,
             setting: str) -> MemoryPlan:
-    """``plan`` with its graphs and its joins measured (start-up, once the graphs are
-    captured): the graphs as what the allocator holds beyond the weights and the slots once
-    the one-off blocks of compiling and capturing are given back, a join as the peak that a
-    dry run of the longest one (``dry_run``) adds.  The blocks the dry run freed stay with the
-    allocator, reserved for the joins to come.  ``MemoryPlanError`` (one line) if the dry run
-    itself runs out of memory."""
+    """``plan`` with what could only be estimated before allocating measured (start-up, once
+    the graphs are captured): ``not_ours`` again (the CUDA context grows as kernel modules
+    load), the graphs as what the allocator holds beyond the weights and the slots once the
+    one-off blocks of compiling and capturing are given back, and a join as the peak a dry
+    run of the longest one (``dry_run``) adds, allocated or reserved, whichever is more.  The
+    blocks the dry run freed stay with the allocator, reserved for the joins to come.
+    ``MemoryPlanError`` (one line) if the dry run itself runs out of memory."""
+    gc.collect()  # cyclic garbage (the warm-up's) is no graph
     counters.synchronize()
     counters.release_cached()
+    if plan.item("not_ours").source == "measured":  # (with a limit, the plan is of our memory only)
+        plan = plan.with_item(PlanItem("not_ours", max(plan.item("not_ours").bytes, counters.held_by_others()),
+                                       "measured"))
     graphs = counters.reserved() - plan.item("weights").bytes - plan.session_bytes
-    before = counters.allocated()
+    if graphs < 0:
+        log.warning("memory plan: the allocator holds %d bytes less than the weights and slots it counts",
+                    -graphs)
+    allocated_before, reserved_before = counters.allocated(), counters.reserved()
     counters.reset_peak()
     try:
         dry_run()
@@ -165,4 +186,5 @@ def measure(plan: MemoryPlan, counters: CudaCounters, dry_run: Callable[[], None
                               f"{plan.device} (something beyond the plan holds its memory); set it lower or free "
                               f"the device (plan: {short.summary()})") from exc
     counters.synchronize()
-    return with_measured(plan, graphs, counters.peak_allocated() - before, joins)
+    peak = max(counters.peak_allocated() - allocated_before, counters.peak_reserved() - reserved_before)
+    return with_measured(plan, graphs, peak, joins)

@@ -375,12 +375,27 @@ class PersonaPlexEngine(EngineRuntime):
         else:
             self._dry_run_join()  # the longest join works; its peak stays an estimate here
         plan = replace(plan, stage="measured")
+        plan = self._fit_auto(plan)
         self.memory_plan = plan
         for line in plan.lines():
             log.info("%s", line)
         if not plan.fits:
             raise MemoryPlanError(plan.refusal(memory.sessions_setting))
         return plan
+
+    def _fit_auto(self, plan: MemoryPlan) -> MemoryPlan:
+        """An auto plan (its sessions chosen by the estimate) that measured a little over: the
+        slots are allocated by now, so what is missing comes out of the prefill cache's room,
+        as far as that goes (logged); any other plan as it is."""
+        cache = plan.item("prefill_cache")
+        if plan.fits or not plan.auto or -plan.spare > cache.bytes:
+            return plan
+        lowered = cache.bytes + plan.spare
+        log.warning("memory plan: %d sessions (auto) measured %.2f GiB over the estimate's room: the prefill cache "
+                    "keeps %.2f GiB instead of %.2f", plan.sessions, -plan.spare / 2**30, lowered / 2**30,
+                    cache.bytes / 2**30)
+        self.prefills.max_bytes = lowered
+        return plan.with_item(PlanItem("prefill_cache", lowered, "setting", f"lowered from {cache.bytes} bytes"))
 
     def _dry_run_join(self) -> None:
         """Prepare and install the longest prompt a join may bring (one as long as the window)

@@ -37,7 +37,7 @@ from ..ipc import wire
 from ..ipc.endpoints import engine_endpoint, engine_socket_path, pid_alive
 from ..lockstep.watchdog import Watchdog
 from ..metrics import Metrics, mark_process_dead
-from ..protocol.errors import counted_failure, engine_failure, new_error_id, withheld
+from ..protocol.errors import capacity_exhausted, counted_failure, engine_failure, new_error_id, withheld
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +211,9 @@ class EngineProcess:
             refusal = ("engine_unavailable", withheld("the model failed to load", self._load_error_id()))
         elif key in self._owner:
             refusal = ("bad_event", f"session {key} is already open")
-        elif self._held() >= self.max_sessions:
-            refusal = ("resource_exhausted", f"duplex_session_capacity_exhausted: limit={self.max_sessions}")
+        elif self.max_sessions and self._held() >= self.max_sessions:  # (0: auto, still loading: it queues)
+            full = capacity_exhausted(self.max_sessions)
+            refusal = (full.code, full.message)
         if refusal is not None:
             code, message = refusal
             self._send(worker.identity, [wire.OPENED, wire.header({"key": key, "held": self._held(),

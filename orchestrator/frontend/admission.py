@@ -34,15 +34,22 @@ class SlotPool:
         return self._engine_slots() or 0
 
     @property
+    def known(self) -> bool:
+        """Whether the capacity is known (configured, or the engine has loaded)."""
+        return self._capacity is not None or self._engine_slots() is not None
+
+    @property
     def held(self) -> int:
         return max(self.admitted, self._engine_taken())
 
     @property
     def free(self) -> int:
-        return max(0, self.capacity - self.held)
+        # Capacity not known yet (auto: the engine still loads): not full; an open waits for
+        # the load, and the engine refuses what its plan does not fit.
+        return max(0, self.capacity - self.held) if self.known else 1
 
     def try_acquire(self) -> bool:
-        if self.held >= self.capacity:
+        if self.known and self.held >= self.capacity:
             return False
         self.admitted += 1
         return True
@@ -73,6 +80,8 @@ class EngineAdmission:
 
     @property
     def free(self) -> int:
+        if not self.capacity and not self._link.ready.is_set():
+            return 1  # auto, still loading: not full (the engine process admits, then decides)
         return max(0, self.capacity - self.held)
 
     def try_acquire(self) -> bool:

@@ -33,7 +33,7 @@ from ..ipc.endpoints import default_run_dir, metrics_dir, server_group_pid
 from ..lockstep.scheduler import EngineCall, FrameFailure, FrameResult
 from ..metrics import Metrics
 from ..protocol import libopus
-from ..protocol.errors import ProtocolError, counted_failure, engine_failure
+from ..protocol.errors import CAPACITY_EXHAUSTED, ProtocolError, capacity_exhausted, counted_failure, engine_failure
 from ..protocol.events import capabilities
 from ..settings import Settings
 from .access import AccessPolicy
@@ -200,8 +200,7 @@ class Services:
         return None
 
     def full_error(self) -> ProtocolError:
-        return ProtocolError("resource_exhausted", f"duplex_session_capacity_exhausted: limit={self.max_sessions}",
-                             retryable=True)
+        return capacity_exhausted(self.max_sessions)
 
     def place_session(self, exclude: Collection[DeviceEngine] = ()) -> DeviceEngine:
         """Hold an admission slot for a new session on the engine placement picks, leaving out
@@ -219,8 +218,14 @@ class Services:
         was a heartbeat old) is left out and the session placed again; refused with a
         ``ProtocolError`` only when no engine can take it."""
         refused_by: list[DeviceEngine] = []
+        refused: ProtocolError | None = None  # the latest engine's own refusal
         while True:
-            engine = self.place_session(refused_by)  # holds an admission slot from here; raises when nowhere
+            try:
+                engine = self.place_session(refused_by)  # holds an admission slot from here; raises when nowhere
+            except ProtocolError as nowhere:
+                # Every engine turned it down: a join that got no turn says so, not "full".
+                other_reason = refused is not None and not refused.message.startswith(CAPACITY_EXHAUSTED)
+                raise (refused if other_reason and nowhere.code == "resource_exhausted" else nowhere) from None
             try:
                 await self.pool.wait_ready(engine, self.settings.ready_wait_s)
                 await asyncio.wrap_future(engine.open(session_id, spec))
@@ -239,6 +244,7 @@ class Services:
                 if error.code != "resource_exhausted":
                     raise error from None
                 refused_by.append(engine)
+                refused = error
                 log.info("session %s: %s is full; placing it again", session_id, engine.label)
 
     def add_session(self, session: Session | NativeSession) -> None:
@@ -395,6 +401,7 @@ def _open_error(exc: Exception) -> ProtocolError:
     ``engine_failure``'s (no exception text for the client)."""
     if isinstance(exc, ProtocolError):
         return exc
-    if isinstance(exc, EngineRefusal):
-        return ProtocolError(exc.code, str(exc), param="voice" if exc.code == "invalid_voice" else None)
+    if isinstance(exc, EngineRefusal):  # (capacity, or memory for it now: retryable, as in this process)
+        extra = {"retryable": True} if exc.code == "resource_exhausted" else {}
+        return ProtocolError(exc.code, str(exc), param="voice" if exc.code == "invalid_voice" else None, **extra)
     return engine_failure(exc, "opening the session", log)  # typed refusals pass as they are

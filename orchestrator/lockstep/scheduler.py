@@ -396,6 +396,11 @@ class TickScheduler:
                 engine = self._factory()
                 self.voices = tuple(engine.voices())
                 self._warm_up(engine)
+                # A GPU engine captures (and compiles) its tick per batch size on first use:
+                # seconds that would stall every live session (and trip the watchdog) when the
+                # load first grows.  Pay them all here, before /ready, warm-up or not (and
+                # before the memory plan measures the graphs).
+                engine.capture_graphs()
                 # The plan's items measured (graph pools, the longest join's peak): a plan that
                 # does not fit ends the load with one line saying what does.
                 plan = engine.settle_memory_plan() if hasattr(engine, "settle_memory_plan") else None
@@ -406,6 +411,11 @@ class TickScheduler:
                 log.error("engine failed to load (device %s): %s", self.device, exc)
             else:  # a defect: keep the traceback
                 log.exception("engine failed to load (device %s)", self.device)
+            # Without its traceback: the frames would keep the half-built engine (and its
+            # device memory) alive while the server reports the failure.
+            exc.__traceback__ = None
+            if exc.__cause__ is not None:
+                exc.__cause__.__traceback__ = None
             self.load_error = exc
             self.ready.set()
             return None
@@ -428,10 +438,6 @@ class TickScheduler:
                 engine.step([slot], self._silence[None, :])
         finally:
             engine.close_slot(slot)
-        # A GPU engine captures (and compiles) its tick per batch size on first use: seconds
-        # that would stall every live session (and trip the watchdog) when the load first
-        # grows.  Pay them all here, before /ready.
-        engine.capture_graphs()
         log.info("warm-up: %d frames in %.0f ms", self._warmup_frames, (time.perf_counter() - start) * 1e3)
 
     def _next_action(self) -> tuple[Any, ...] | None:

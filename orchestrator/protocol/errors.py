@@ -29,6 +29,14 @@ SERVER_ERROR_CODES = frozenset({
 AUTH_CODES = frozenset({"invalid_api_key", "origin_not_allowed"})
 
 
+
+# The message of a refusal for capacity (no free slot): the reference's words, and the limit.
+CAPACITY_EXHAUSTED = "duplex_session_capacity_exhausted"
+
+
+def capacity_exhausted(limit: int) -> "ProtocolError":
+    return ProtocolError("resource_exhausted", f"{CAPACITY_EXHAUSTED}: limit={limit}", retryable=True)
+
 def error_type(code: str) -> str:
     if code in RATE_LIMIT_CODES:
         return "rate_limit_error"

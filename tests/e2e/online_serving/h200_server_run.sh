@@ -15,8 +15,8 @@
 # and start-up time (startup.txt).  Settings: WORKERS (front-end workers, default 4),
 # ENGINE_HOST (process | thread: the old one-process layout), MAX_SESSIONS (default: the
 # largest load; auto when a load is "wall": see below), SPREAD_MS (default 80), WAV (default tests/data/input_assistant.wav), JOINER
-# (EVERY_S:CHARS: during each load, a session joins every EVERY_S seconds with a new persona of
-# CHARS characters and leaves once open, tests/e2e/online_serving/joiner.py; its open times go
+# (EVERY_S:CHARS[:FRAMES]: during each load, a session joins every EVERY_S seconds with a new
+# persona of CHARS characters, streams FRAMES frames and waits for as many back, and leaves, tests/e2e/online_serving/joiner.py; its open times go
 # in joiner.json; give MAX_SESSIONS one more than the load), and for a
 # dry run on CPU CHECKPOINT (a directory), DEVICES (cpu), KV_CACHE (auto); wheels the machine
 # lacks go in .whl/, and a libopus.so.0 the machine lacks in .whl/lib/.
@@ -93,6 +93,17 @@ except Exception: print("")' 2>/dev/null)
 done
 curl -s 127.0.0.1:8000/ready > "$server_dir/ready.json"  # the engine's memory plan among it
 wall=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["max_sessions"])' "$server_dir/ready.json")
+# The engine's measured plan: the most its items leave room for, and what is spare.
+python3 - "$server_dir/ready.json" <<'PY' | tee -a "$server_dir/startup.txt"
+import json, sys
+for device in json.load(open(sys.argv[1]))["devices"]:
+    plan = device.get("memory_plan")
+    if plan:
+        items = ", ".join(f"{name} {item['bytes'] / 2**30:.2f} GiB ({item['source']})"
+                          for name, item in plan["items"].items())
+        print(f"{device['device']}: memory plan {plan['sessions']} sessions, largest fit {plan['largest_fit']}, "
+              f"spare {plan['spare_bytes'] / 2**30:.2f} GiB; {items}")
+PY
 echo "$policy: ready after $((SECONDS - started)) s (git $revision, $gpu, engine $engine_host, $workers worker(s), max_sessions $PERSONAPLEX_MAX_SESSIONS: $wall)" | tee -a "$server_dir/startup.txt"
 model=$(curl -s 127.0.0.1:8000/v1/models | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
 # CPU seconds (user + system) of every process of the server (the hypercorn master and its
@@ -157,10 +168,11 @@ for load in "$@"; do
     { echo "# before the load, at $(date +%s.%N)"; server_cpu; } > "$dir/cpu.txt"
     joiner=""
     if [ -n "${JOINER:-}" ]; then
-        IFS=: read -r join_every join_chars <<< "$JOINER"
+        IFS=: read -r join_every join_chars join_frames <<< "$JOINER"
         # From when the sessions have opened (about 20 s at 128) to before the windows end.
         ( sleep 25; python3 -m tests.e2e.online_serving.joiner --url "ws://127.0.0.1:8000/v1/realtime?duplex=1" \
             --every-s "$join_every" --persona-chars "$join_chars" --first-index $((RANDOM * 1000)) \
+            --stream-frames "${join_frames:-0}" \
             --duration-s "$(python3 -c "print(max(5.0, $frames * 0.08 - 20.0))")" \
             --output "$dir/joiner.json" > "$dir/joiner.txt" 2>&1 ) &
         joiner=$!
@@ -206,6 +218,12 @@ if [ "$keep" = keep ]; then
     exit 0
 fi
 kill $server; wait $server 2>/dev/null
-sleep 3  # the engine host stops its engines once the server has gone
+# The engine host stops its engines once the server has gone; a next server's memory plan
+# would count what they still hold as another process's: wait until the GPU is given back.
+for _ in $(seq 60); do
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+    [ "${used:-0}" -lt 2048 ] && break
+    sleep 1
+done
 tar -czf "$out/$policy-server.tgz" -C "$server_dir" server.log startup.txt ready.json
 ls -la "$out"
