@@ -3,10 +3,14 @@ and how a worker reads an engine process's admission (EngineAdmission, placement
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import orjson
 import pytest
 
 from engines.interface import EngineInfo, SamplingParams, SessionSpec
+from orchestrator.engine_port import FrameFailure, FrameResult
 from orchestrator.frontend.admission import EngineAdmission
 from orchestrator.frontend.engine_link import EngineLink
 from orchestrator.frontend.engine_pool import DeviceEngine, EnginePool
@@ -28,13 +32,28 @@ def test_push_carries_every_sessions_frames_as_raw_buffers():
     np.testing.assert_array_equal(got_b, b)
 
 
-def test_frames_message_round_trip():
+def test_frames_and_failures_round_trip_as_the_port_types():
     pcm16 = (np.arange(2 * 1920) % 3000 - 1500).astype(np.int16).reshape(2, 1920)
-    lanes = [["s-a", 0, " hi", 17, False, 1.5], ["s-b", 2, "", 3, True, 0.25]]
-    parts = wire.frames_message(41, 36.25, 82, lanes, pcm16)
-    meta, pcm = wire.read_frames([parts[0], parts[1], parts[2].tobytes()])
-    assert (meta["tick"], meta["tick_ms"], meta["batch"], meta["lanes"]) == (41, 36.25, 82, lanes)
-    np.testing.assert_array_equal(pcm, pcm16)
+    sent = [FrameResult("s-a", 0, pcm16[0], " hi", 17, False, 41, 36.25, 82, 1.5),
+            FrameResult("s-b", 2, pcm16[1], "", 3, True, 41, 36.25, 82, 0.25)]
+    parts = wire.frames_message(sent)
+    got = wire.read_frames([parts[0], parts[1], parts[2].tobytes()])
+    assert [dataclasses.replace(r, pcm16=None) for r in got] == [dataclasses.replace(r, pcm16=None) for r in sent]
+    for a, b in zip(got, sent):
+        np.testing.assert_array_equal(a.pcm16, b.pcm16)
+    failures = [FrameFailure("s-a", 3, "the model failed [err_1]", fatal=True), FrameFailure("s-b", 0, "x")]
+    parts = wire.failures_message(failures)
+    assert parts[0] == wire.FAILURES and wire.read_failures(parts) == failures
+
+
+def test_results_of_another_version_are_refused():
+    """A worker and an engine process of different versions refuse each other's results
+    instead of reading the fields in the wrong places."""
+    parts = wire.failures_message([FrameFailure("s", 0, "x")])
+    old = orjson.loads(parts[1])
+    old["v"] = wire.RESULTS_VERSION + 1
+    with pytest.raises(wire.WireError, match="not version"):
+        wire.read_failures([parts[0], orjson.dumps(old)])
 
 
 @pytest.mark.parametrize("parts", [
@@ -48,7 +67,7 @@ def test_a_push_that_does_not_add_up_is_refused(parts):
 
 
 def test_frames_whose_audio_and_header_disagree_are_refused():
-    parts = wire.frames_message(1, 1.0, 1, [["s", 0, "", 0, False, 0.0]], np.zeros((1, 1920), np.int16))
+    parts = wire.frames_message([FrameResult("s", 0, np.zeros(1920, np.int16), "", 0, False, 1, 1.0, 1, 0.0)])
     with pytest.raises(wire.WireError):
         wire.read_frames([parts[0], parts[1], b"\0" * 100])
 

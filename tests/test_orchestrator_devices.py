@@ -19,7 +19,7 @@ import pytest
 import websockets
 
 from orchestrator.frontend.engine_pool import DeviceEngine, EnginePool
-from orchestrator.lockstep.scheduler import EngineCall
+from orchestrator.engine_port import EngineCall
 from orchestrator.metrics import Metrics
 from orchestrator.settings import Settings, SettingsError, device_labels
 from tests.orch_support import Client, Server, f32_append, run, speech_frames

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from engines.config import FRAME_SAMPLES
 from orchestrator.frontend.session import Session
-from orchestrator.lockstep.scheduler import FrameFailure, FrameResult
+from orchestrator.engine_port import FrameFailure, FrameResult
 from orchestrator.metrics import Metrics
 from orchestrator.protocol.audio import (
     INPUT_CODECS,

@@ -13,7 +13,8 @@ import pytest
 from engines.runtime.factory import create_engine
 from engines.interface import WAITING, InvalidSessionSpec, NoFreeSlot, SamplingParams, SessionSpec
 from orchestrator.metrics import Metrics
-from orchestrator.lockstep.scheduler import FrameResult, TickScheduler
+from orchestrator.engine_port import FrameResult
+from orchestrator.lockstep.scheduler import TickScheduler
 from orchestrator.lockstep.tick_policy import make_policy
 
 GREEDY = SessionSpec(sampling=SamplingParams(greedy=True))

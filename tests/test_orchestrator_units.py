@@ -291,7 +291,8 @@ def test_session_drops_late_outputs_of_a_cancelled_epoch():
     import asyncio
 
     from orchestrator.frontend.session import Session
-    from orchestrator.lockstep.scheduler import FrameResult, TickScheduler
+    from orchestrator.engine_port import FrameResult
+    from orchestrator.lockstep.scheduler import TickScheduler
     from orchestrator.lockstep.tick_policy import WindowPolicy
 
     def result(epoch: int) -> FrameResult:

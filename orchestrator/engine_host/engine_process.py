@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import zmq
 
+from ..engine_port import FrameFailure, FrameResult
 from ..ipc import wire
 from ..ipc.endpoints import engine_endpoint, engine_socket_path, pid_alive
 from ..lockstep.watchdog import Watchdog
@@ -296,24 +296,17 @@ class EngineProcess:
 
     def _route_results(self, results: list) -> None:
         """One tick's results: a ``FRAMES`` (and a ``FAILURES``) per worker that owns lanes."""
-        frames: dict[bytes, list] = {}
-        failures: dict[bytes, list] = {}
+        frames: dict[bytes, list[FrameResult]] = {}
+        failures: dict[bytes, list[FrameFailure]] = {}
         for result in results:
             identity = self._owner.get(result.key)
             if identity is None:
                 continue  # closed meanwhile
-            if hasattr(result, "pcm16"):
-                frames.setdefault(identity, []).append(result)
-            else:
-                failures.setdefault(identity, []).append([result.key, result.epoch, result.message, result.fatal])
+            (frames if isinstance(result, FrameResult) else failures).setdefault(identity, []).append(result)
         for identity, rows in frames.items():
-            first = rows[0]
-            lanes = [[r.key, r.epoch, r.text, r.text_id, r.silence_input, round(r.wait_ms, 3)] for r in rows]
-            pcm16 = np.stack([r.pcm16 for r in rows])
-            self._send(identity, wire.frames_message(first.tick, round(first.tick_ms, 3), first.batch_size, lanes,
-                                                     pcm16))
-        for identity, rows in failures.items():
-            self._send(identity, [wire.FAILURES, wire.header(rows)])
+            self._send(identity, wire.frames_message(rows))
+        for identity, failed in failures.items():
+            self._send(identity, wire.failures_message(failed))
 
     # Sending ----------------------------------------------------------------------------------------
     def _send(self, identity: bytes, parts: list) -> None:

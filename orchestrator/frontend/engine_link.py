@@ -1,16 +1,14 @@
 """A front-end worker's handle on one engine process: the scheduler's interface over IPC.
 
-``EngineLink`` offers what sessions, the engine pool and the watchdog use of a
-``TickScheduler`` (``open``, ``close``, ``restart``, ``push``, ``drop_pending``, ``pending``,
-``ready``, ``load_error``, ``info``, ``voices``, ``busy``, ``failed_ticks_in_row``, ``alive``),
-so the rest of the front end does not know whether its engine runs in a thread of this
+``EngineLink`` is an ``engine_port.EnginePort``, as a ``TickScheduler`` is, so the rest of the front end does not know whether its engine runs in a thread of this
 process or in an engine process.  It lives on the worker's event loop (one DEALER socket,
 read by the loop's reader callback without a future per message; ``ipc/wire.py`` has the
 messages):
 
 - input frames of one event-loop pass go in one ``PUSH``; a control message first sends
   what is queued, so the engine sees everything in the order the sessions did it;
-- ``FRAMES`` and ``FAILURES`` become ``FrameResult``/``FrameFailure`` for ``deliver``;
+- ``FRAMES`` and ``FAILURES`` carry ``FrameResult``/``FrameFailure`` (``ipc/wire.py`` decodes
+  them) for ``deliver``;
 - ``STATUS`` (every ``HEARTBEAT_S``) carries the engine's state and its admission count; the
   worker's own ``HELLO`` goes the other way at the same pace;
 - the engine is **lost** when its heartbeat stops for ``PEER_TIMEOUT_S`` or a status comes
@@ -39,7 +37,7 @@ from zmq.utils.monitor import parse_monitor_message
 from engines.interface import EngineError, EngineInfo, SessionSpec
 
 from ..ipc import wire
-from ..lockstep.scheduler import EngineCall, FrameFailure, FrameResult
+from ..engine_port import EngineCall, FrameFailure
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +277,7 @@ class EngineLink:
             elif kind == wire.STATUS:
                 self._on_status(wire.read_header(parts[1]))
             elif kind == wire.FAILURES:
-                self._on_failures(wire.read_header(parts[1]))
+                self._on_failures(parts)
             elif kind == wire.OPENED:
                 self._on_opened(wire.read_header(parts[1]))
             elif kind == wire.CLOSED:
@@ -292,22 +290,18 @@ class EngineLink:
             log.exception("engine %s: handling a %r message failed", self.device, kind)
 
     def _on_frames(self, parts: list) -> None:
-        meta, pcm16 = wire.read_frames(parts)
-        tick, tick_ms, batch = meta["tick"], meta["tick_ms"], meta["batch"]
+        results = wire.read_frames(parts)
         pending = self._pending
-        results = []
-        for row, (key, epoch, text, text_id, silent, wait_ms) in enumerate(meta["lanes"]):
-            if not silent and pending.get(key, 0) > 0:
-                pending[key] -= 1
-            results.append(FrameResult(key, epoch, pcm16[row], text, text_id, silent, tick, tick_ms, batch, wait_ms))
+        for result in results:
+            if not result.silence_input and pending.get(result.key, 0) > 0:
+                pending[result.key] -= 1
         self._deliver(results)
 
-    def _on_failures(self, rows: list) -> None:
-        results = []
-        for key, epoch, message, fatal in rows:
-            self._pending[key] = 0
-            results.append(FrameFailure(key, epoch, message, fatal))
-        self._deliver(results)
+    def _on_failures(self, parts: list) -> None:
+        failures = wire.read_failures(parts)
+        for failure in failures:
+            self._pending[failure.key] = 0
+        self._deliver(failures)
 
     def _on_opened(self, reply: dict[str, Any]) -> None:
         key = reply["key"]

@@ -30,7 +30,8 @@ from typing import Any
 
 from engines.interface import Engine, EngineInfo, SessionSpec
 
-from ..lockstep.scheduler import EngineCall, TickScheduler
+from ..engine_port import EngineCall
+from ..lockstep.scheduler import TickScheduler
 from ..lockstep.watchdog import Watchdog
 from ..metrics import Metrics
 from ..protocol.errors import ProtocolError

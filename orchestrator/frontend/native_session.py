@@ -18,7 +18,7 @@ import numpy as np
 
 from engines.config import FRAME_RATE, SAMPLE_RATE
 
-from ..lockstep.scheduler import FrameResult, TickScheduler
+from ..engine_port import EnginePort, FrameResult
 from ..metrics import Metrics
 from ..protocol import native
 from ..protocol.audio import AudioError, InputStream
@@ -37,7 +37,7 @@ _REPORT_EVERY_S = 1.0  # repeated input errors (backpressure) are reported at mo
 class NativeSession(SessionCore):
     protocol = PROTOCOL
 
-    def __init__(self, session_id: str, *, scheduler: TickScheduler, settings: Settings, metrics: Metrics,
+    def __init__(self, session_id: str, *, scheduler: EnginePort, settings: Settings, metrics: Metrics,
                  codec: CodecThreads) -> None:
         super().__init__(session_id, scheduler=scheduler, settings=settings, metrics=metrics)
         self._codec = codec

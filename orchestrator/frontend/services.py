@@ -30,7 +30,7 @@ from engines.interface import SessionSpec
 from ..engine_host.launch import ensure_host
 from ..fault_injection import with_fault_injection
 from ..ipc.endpoints import default_run_dir, metrics_dir, server_group_pid
-from ..lockstep.scheduler import EngineCall, FrameFailure, FrameResult
+from ..engine_port import EngineCall, FrameFailure, FrameResult
 from ..metrics import Metrics
 from ..protocol import libopus
 from ..protocol.errors import CAPACITY_EXHAUSTED, ProtocolError, capacity_exhausted, counted_failure, engine_failure

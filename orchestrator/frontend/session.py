@@ -19,7 +19,7 @@ import numpy as np
 from engines.config import FRAME_MS
 from engines.interface import shown
 
-from ..lockstep.scheduler import FrameResult, TickScheduler
+from ..engine_port import EnginePort, FrameResult
 from ..metrics import Metrics
 from ..protocol import events as ev
 from ..protocol import json_codec
@@ -60,7 +60,7 @@ class Session(SessionCore):
         session_id: str,
         config: SessionConfig,
         *,
-        scheduler: TickScheduler,
+        scheduler: EnginePort,
         settings: Settings,
         metrics: Metrics,
         caps: dict[str, Any],

@@ -22,7 +22,7 @@ import numpy as np
 
 from engines.config import FRAME_SAMPLES
 
-from ..lockstep.scheduler import FrameFailure, FrameResult, TickScheduler
+from ..engine_port import EnginePort, FrameFailure, FrameResult
 from ..metrics import Metrics
 from ..protocol.audio import InputStream
 from ..protocol.errors import ProtocolError
@@ -153,7 +153,7 @@ class SessionCore:
 
     protocol = ""
 
-    def __init__(self, session_id: str, *, scheduler: TickScheduler, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, session_id: str, *, scheduler: EnginePort, settings: Settings, metrics: Metrics) -> None:
         self.id = session_id
         self.state = "open"  # "closing" once the session stops producing (begin_close)
         self.epoch = 0
@@ -168,7 +168,7 @@ class SessionCore:
         self._arrivals: deque[float] = deque()
 
     @property
-    def scheduler(self) -> TickScheduler:
+    def scheduler(self) -> EnginePort:
         """The scheduler of the engine this session lives on (for its whole life)."""
         return self._scheduler
 

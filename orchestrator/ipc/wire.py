@@ -23,6 +23,8 @@ import orjson
 from engines.config import FRAME_SAMPLES
 from engines.interface import EngineInfo, SamplingParams, SessionSpec
 
+from ..engine_port import FrameFailure, FrameResult
+
 HELLO = b"hello"
 OPEN = b"open"
 CLOSE = b"close"
@@ -105,17 +107,51 @@ def read_push(parts: Sequence[Any]) -> list[tuple[str, int, np.ndarray]]:
     return out
 
 
-def frames_message(tick: int, tick_ms: float, batch: int, lanes: list[list[Any]], pcm16: np.ndarray) -> list[Any]:
-    """One tick's output for one worker.  ``lanes``: [key, epoch, text, text_id, silence_input,
-    wait_ms] per row of ``pcm16`` (int16 [len(lanes), 1920])."""
-    meta = {"tick": tick, "tick_ms": tick_ms, "batch": batch, "lanes": lanes}
+# The version of the FRAMES and FAILURES headers: a worker and an engine process of different
+# versions refuse each other's messages instead of misreading them.
+RESULTS_VERSION = 1
+
+
+def frames_message(results: Sequence[FrameResult]) -> list[Any]:
+    """One tick's ``FrameResult``s for one worker: a header of named columns (one entry per
+    lane) and the lanes' audio as one int16 [n, 1920] buffer, row i for lane i."""
+    first = results[0]
+    meta = {"v": RESULTS_VERSION, "tick": first.tick, "tick_ms": round(first.tick_ms, 3), "batch": first.batch_size,
+            "keys": [r.key for r in results], "epochs": [r.epoch for r in results],
+            "texts": [r.text for r in results], "text_ids": [r.text_id for r in results],
+            "silence": [r.silence_input for r in results], "wait_ms": [round(r.wait_ms, 3) for r in results]}
+    pcm16 = np.stack([r.pcm16 for r in results])
     return [FRAMES, header(meta), np.ascontiguousarray(pcm16, dtype="<i2")]
 
 
-def read_frames(parts: Sequence[Any]) -> tuple[dict[str, Any], np.ndarray]:
+def read_frames(parts: Sequence[Any]) -> list[FrameResult]:
     meta = read_header(parts[1])
+    if not isinstance(meta, dict) or meta.get("v") != RESULTS_VERSION:
+        raise WireError(f"FRAMES: not version {RESULTS_VERSION}")
+    keys = meta["keys"]
+    columns = [meta[name] for name in ("epochs", "texts", "text_ids", "silence", "wait_ms")]
     pcm = np.frombuffer(buffer_of(parts[2]), dtype="<i2")
-    lanes = meta.get("lanes") if isinstance(meta, dict) else None
-    if not isinstance(lanes, list) or pcm.size != len(lanes) * FRAME_SAMPLES:
+    if not isinstance(keys, list) or pcm.size != len(keys) * FRAME_SAMPLES or any(len(c) != len(keys) for c in columns):
         raise WireError("FRAMES: header and audio disagree")
-    return meta, pcm.reshape(len(lanes), FRAME_SAMPLES)
+    pcm = pcm.reshape(len(keys), FRAME_SAMPLES)
+    tick, tick_ms, batch = int(meta["tick"]), float(meta["tick_ms"]), int(meta["batch"])
+    return [FrameResult(str(key), int(epoch), pcm[row], str(text), int(text_id), bool(silent), tick, tick_ms, batch,
+                        float(wait_ms))
+            for row, (key, epoch, text, text_id, silent, wait_ms) in enumerate(zip(keys, *columns))]
+
+
+def failures_message(failures: Sequence[FrameFailure]) -> list[Any]:
+    """``FrameFailure``s for one worker, as named columns."""
+    meta = {"v": RESULTS_VERSION, "keys": [f.key for f in failures], "epochs": [f.epoch for f in failures],
+            "messages": [f.message for f in failures], "fatal": [f.fatal for f in failures]}
+    return [FAILURES, header(meta)]
+
+
+def read_failures(parts: Sequence[Any]) -> list[FrameFailure]:
+    meta = read_header(parts[1])
+    if not isinstance(meta, dict) or meta.get("v") != RESULTS_VERSION:
+        raise WireError(f"FAILURES: not version {RESULTS_VERSION}")
+    columns = [meta[name] for name in ("keys", "epochs", "messages", "fatal")]
+    if len({len(c) for c in columns}) != 1:
+        raise WireError("FAILURES: columns of different lengths")
+    return [FrameFailure(str(key), int(epoch), str(message), bool(fatal)) for key, epoch, message, fatal in zip(*columns)]

@@ -54,6 +54,7 @@ from engines.config import FRAME_SAMPLES, ConfigError
 from engines.errors import AudioInputError, CheckpointError, MemoryPlanError
 from engines.interface import WAITING, Engine, EngineError, EngineInfo, FrameOutput, Pieces, SessionSpec, SlotFault
 
+from ..engine_port import EngineCall, FrameFailure, FrameResult
 from ..metrics import Metrics
 from ..own_clock import OwnClock
 from ..protocol.audio import float_to_pcm16
@@ -70,41 +71,6 @@ _UNFINISHED = object()  # a job's preparation has pieces left
 JOBS_STALLED_PAUSE_S = 0.005
 
 TICK_TIME_SMOOTHING = 0.2  # weight of the newest tick in the moving average the policy reads
-
-
-@dataclass(frozen=True)
-class FrameResult:
-    """One output frame of one lane, as handed to the event loop."""
-
-    key: str
-    epoch: int
-    pcm16: np.ndarray  # int16 [1920]
-    text: str
-    text_id: int
-    silence_input: bool  # the input of this frame was fed silence, not client audio
-    tick: int
-    tick_ms: float
-    batch_size: int
-    wait_ms: float  # how long the input frame waited for its tick
-
-
-@dataclass(frozen=True)
-class FrameFailure:
-    """``engine.step`` failed for this lane (alone, or with its whole tick)."""
-
-    key: str
-    epoch: int
-    message: str
-    fatal: bool = False  # the slot could not be restarted: the session cannot go on
-
-
-@dataclass(frozen=True)
-class EngineCall:
-    """The engine call in progress (read by the watchdog from the event loop)."""
-
-    kind: str  # tick | open | restart | close
-    since: float  # scheduler clock
-    sessions: int  # how many sessions it concerns (the tick's batch size)
 
 
 def name_os_thread(name: str) -> None:

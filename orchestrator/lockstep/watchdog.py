@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable
 
 from ..metrics import Metrics
-from .scheduler import EngineCall, TickScheduler
+from ..engine_port import EngineCall
+from .scheduler import TickScheduler
 
 log = logging.getLogger(__name__)
 

@@ -136,7 +136,8 @@ def main() -> int:
     full_window_prefill = _engines_module("engines.tools.bench", "engines.bench").full_window_prefill
     create_engine = _engines_module("engines.runtime.factory", "engines.factory").create_engine
     from engines.interface import SessionSpec
-    from orchestrator.lockstep.scheduler import FrameResult, TickScheduler
+    from orchestrator.engine_port import FrameResult
+    from orchestrator.lockstep.scheduler import TickScheduler
     from orchestrator.metrics import Metrics
     from orchestrator.settings import Settings
 
