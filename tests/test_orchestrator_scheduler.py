@@ -214,19 +214,19 @@ def test_a_burst_of_closes_is_one_engine_call(make_scheduler):
 def test_closes_take_one_turn_before_a_due_tick():
     """Closes go first, all at once; closes that keep arriving wait for the due tick."""
     import concurrent.futures
-    from orchestrator.lockstep.scheduler import _Lane
+    from orchestrator.lockstep.scheduler import CloseAction, LaneFrame, TickAction, _Lane
 
     scheduler = TickScheduler(lambda: None, policy=make_policy("window", min_wait_s=0.02, busy_target=0.7),
                               silence_grace_s=0.0, warmup_frames=0, metrics=Metrics())
     lane = _Lane("live", 0, GREEDY, time.monotonic())
     scheduler._lanes["live"] = lane
-    lane.frames.append((frames(1)[0], time.monotonic(), False))
+    lane.frames.append(LaneFrame(frames(1)[0], time.monotonic(), False))
     scheduler._closes.extend((key, concurrent.futures.Future()) for key in ("a", "b"))
     action = scheduler._next_action()
-    assert action[0] == "close" and [key for key, _ in action[1]] == ["a", "b"]
+    assert isinstance(action, CloseAction) and [key for key, _ in action.closes] == ["a", "b"]
     scheduler._closes.append(("c", concurrent.futures.Future()))
-    assert scheduler._next_action()[0] == "tick"  # the live lane's frame was due
-    assert [key for key, _ in scheduler._next_action()[1]] == ["c"]
+    assert isinstance(scheduler._next_action(), TickAction)  # the live lane's frame was due
+    assert [key for key, _ in scheduler._next_action().closes] == ["c"]
 
 
 def test_open_runs_between_ticks_without_starving(make_scheduler):
@@ -385,7 +385,7 @@ def test_a_join_with_no_turn_in_time_is_refused_retryably_and_takes_nothing(make
     """A join that waits past ``join_wait_s`` for its turn is refused with the typed,
     retryable ``resource_exhausted`` (``JoinTurnTimeout``), without having allocated or taken
     a slot; the join under way is untouched, and a later open succeeds."""
-    from orchestrator.lockstep.scheduler import JoinTurnTimeout
+    from orchestrator.lockstep.joins import JoinTurnTimeout
 
     release, log = threading.Event(), []
     scheduler, _ = make_scheduler(max_slots=3, adapt=_held_back(release, log), concurrent_joins=1, join_wait_s=0.2)

@@ -45,29 +45,24 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from engines import progress
-from engines.config import FRAME_SAMPLES, ConfigError
-from engines.errors import AudioInputError, CheckpointError, MemoryPlanError
-from engines.interface import WAITING, Engine, EngineError, EngineInfo, FrameOutput, Pieces, SessionSpec, SlotFault
+from engines.config import FRAME_SAMPLES
+from engines.interface import Engine, EngineInfo, FrameOutput, SessionSpec, SlotFault
 
 from ..engine_port import EngineCall, FrameFailure, FrameResult
 from ..metrics import Metrics
 from ..own_clock import OwnClock
 from ..protocol.audio import float_to_pcm16
 from ..protocol.errors import new_error_id, withheld
+from .joins import UNFINISHED, Job, JobQueue
+from .loading import EngineLoad
 from .tick_policy import FRAME_PERIOD_S, PacedPolicy, TickState, WindowPolicy
 
 log = logging.getLogger(__name__)
 
-# Load failures caused by the checkpoint, a voice or the machine (not by this code): logged as
-# one line (the server stays up; /health says why).
-_INPUT_LOAD_ERRORS = (CheckpointError, ConfigError, AudioInputError, OSError, MemoryError, MemoryPlanError)
-
-_UNFINISHED = object()  # a job's preparation has pieces left
 JOBS_STALLED_PAUSE_S = 0.005
 
 TICK_TIME_SMOOTHING = 0.2  # weight of the newest tick in the moving average the policy reads
@@ -98,30 +93,40 @@ def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseEx
         pass
 
 
-class JoinTurnTimeout(EngineError):
-    """An open that waited longer than ``join_wait_s`` for its turn to be prepared: the server
-    is preparing as many joins as its memory plan allows (retryable)."""
+class LaneFrame(NamedTuple):
+    """One input frame queued on a lane."""
 
-    code = "resource_exhausted"
-    reason = "join_wait_timeout"  # personaplex_open_failures_total{reason}
+    pcm: np.ndarray  # float32 [1920]
+    arrival: float  # scheduler clock
+    silent: bool  # fed silence (the client's audio stalled), not client audio
 
 
-@dataclass
-class _Job:
-    """Control work that may take several pieces: opening a lane, or restarting one."""
+class BatchItem(NamedTuple):
+    """One lane's frame in a tick, with the epoch it was taken for."""
 
-    kind: str  # open | restart
-    key: str
-    spec: SessionSpec | None = None  # open: what to open
-    future: concurrent.futures.Future | None = None  # open: settled with the slot or the error
-    pieces: Pieces | None = None  # the preparation under way, once its first piece ran
-    waited: bool = False  # its last piece did nothing (engines.interface.WAITING)
-    queued_at: float = 0.0  # when it was asked for (an open's wait for its turn is bounded)
+    lane: "_Lane"
+    epoch: int
+    pcm: np.ndarray
+    arrival: float
+    silent: bool
 
-    @property
-    def started(self) -> bool:
-        """Whether its preparation is under way (and may hold device memory for it)."""
-        return self.pieces is not None
+
+@dataclass(frozen=True)
+class TickAction:
+    batch: list[BatchItem]
+
+
+@dataclass(frozen=True)
+class JobAction:
+    job: Job
+
+
+@dataclass(frozen=True)
+class CloseAction:
+    closes: list[tuple[str, concurrent.futures.Future]]
+
+
+Action = TickAction | JobAction | CloseAction  # what the engine thread does next (_next_action)
 
 
 class _Lane:
@@ -132,7 +137,7 @@ class _Lane:
         self.epoch = 0  # epoch the slot's model context belongs to
         self.want_epoch = 0  # epoch the session asked for; a restart is due while they differ
         self.restart_queued = False
-        self.frames: deque[tuple[np.ndarray, float, bool]] = deque()  # (pcm, arrival, is_silence)
+        self.frames: deque[LaneFrame] = deque()
         self.stalled_since = now  # queue empty since, with no new input
         self.next_silence: float | None = None  # once feeding silence: when the next one is due
         self.closing = False
@@ -159,25 +164,19 @@ class TickScheduler:
         # ``device``: the label of this engine's device (one scheduler per device), for the
         # thread's name, the logs and the per-device metrics; None in single-engine tests.
         self.device = device
-        self._factory = engine_factory
         self._policy = policy
         self._tick_s = 0.0  # moving average of engine.step time per tick (read by the policy)
         self._grace = silence_grace_s
-        self._warmup_frames = warmup_frames
         self._metrics = metrics
         self._clock = clock
         self._cond = threading.Condition()
         self._lanes: dict[str, _Lane] = {}
         self._closes: deque[tuple[str, concurrent.futures.Future]] = deque()
         self._closed_since_take = False  # closes ran since the latest tick took its frames
-        self._jobs: deque[_Job] = deque()  # expensive control work, a piece at a time in turn
-        # Preparations under way at once, at most: the engine's memory plan reserves the
-        # longest prompt's peak for each (engines/runtime/memory_plan.py).  An open waits for
-        # its turn at most ``join_wait_s``, then is refused (JoinTurnTimeout), never allocated.
-        self._concurrent_joins = concurrent_joins
-        self._join_wait_s = join_wait_s
+        # Expensive control work (prefills of opens and restarts), a piece at a time in turn,
+        # at most ``concurrent_joins`` under way (lockstep/joins.py).
+        self._jobs = JobQueue(concurrent_joins, join_wait_s, _settle)
         self._after_tick = False
-        self._waits_in_row = 0  # jobs in turn whose piece waited for another's
         self._last_take = float("-inf")  # when the latest tick's frames were taken
         self._live_at_take = 0  # live lanes when the latest tick's frames were taken (batch fill)
         self._stopping = False
@@ -185,14 +184,10 @@ class TickScheduler:
         self._silence = np.zeros(FRAME_SAMPLES, dtype=np.float32)
         self._thread: threading.Thread | None = None
         self._hand_back: Callable[[list], None] = lambda results: None
-        self.ready = threading.Event()  # set when loading finished, successfully or not
-        self.load_error: BaseException | None = None
-        # Where loading is (engines/progress.py), and since when: for /ready while it loads.
-        self.load_progress: progress.LoadProgress | None = None
-        self.load_started: float | None = None
-        self.info: EngineInfo | None = None
-        self.memory_plan: dict[str, Any] | None = None  # the engine's, measured (for /ready)
-        self.voices: tuple[str, ...] = ()
+        # Loading the engine, and what it gave: ready (set when loading finished, successfully
+        # or not), load_error, info, voices, memory_plan.
+        self.load = EngineLoad(engine_factory, warmup_frames, device)
+        self.ready = self.load.ready
         self.busy: EngineCall | None = None  # written by the engine thread only
         # Slots the engine itself holds (its max_slots - free_slots()), written by the engine
         # thread after every open and close: what admission reports is never below it, so a
@@ -222,6 +217,22 @@ class TickScheduler:
             self._cond.notify()
 
     @property
+    def load_error(self) -> BaseException | None:
+        return self.load.error
+
+    @property
+    def info(self) -> EngineInfo | None:
+        return self.load.info
+
+    @property
+    def voices(self) -> tuple[str, ...]:
+        return self.load.voices
+
+    @property
+    def memory_plan(self) -> dict[str, Any] | None:
+        return self.load.memory_plan
+
+    @property
     def is_ready(self) -> bool:
         return self.ready.is_set() and self.load_error is None
 
@@ -235,7 +246,7 @@ class TickScheduler:
         or the engine's ``EngineError``."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            self._jobs.append(_Job("open", key, spec, future, queued_at=self._clock()))
+            self._jobs.add(Job("open", key, spec, future, queued_at=self._clock()))
             self._cond.notify()
         return future
 
@@ -255,7 +266,7 @@ class TickScheduler:
         lane.frames.clear()
         if not lane.restart_queued:
             lane.restart_queued = True
-            self._jobs.append(_Job("restart", lane.key))
+            self._jobs.add(Job("restart", lane.key))
 
     def close(self, key: str) -> concurrent.futures.Future:
         """Release the lane's slot (or cancel its pending open); the future resolves once the
@@ -277,9 +288,9 @@ class TickScheduler:
             lane = self._lanes.get(key)
             if lane is None or lane.closing or epoch != lane.want_epoch:
                 return
-            if lane.frames and lane.frames[0][2]:  # client audio is back: skip queued silence
+            if lane.frames and lane.frames[0].silent:  # client audio is back: skip queued silence
                 lane.frames.popleft()
-            lane.frames.extend((frame, now, False) for frame in frames)
+            lane.frames.extend(LaneFrame(frame, now, False) for frame in frames)
             lane.next_silence = None
             self._cond.notify()
         self._metrics.inc("frames_in", "client", len(frames))
@@ -301,7 +312,7 @@ class TickScheduler:
     # The engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         name_os_thread("ppengine" + (f"-{self.device}" if self.device else ""))
-        engine = self._load()
+        engine = self.load.run()
         if engine is None:
             return
         own_clock = OwnClock()  # this thread's: a job's cost without a busy host's waits
@@ -317,24 +328,25 @@ class TickScheduler:
             action = self._next_action()
             if action is None:
                 return
-            kind = action[0]
-            if kind == "tick":
-                self._tick(engine, action[1])
+            if isinstance(action, TickAction):
+                self._tick(engine, action.batch)
                 self._after_tick = True
                 continue
-            job = action[1] if kind == "job" else None
-            label = job.kind if job is not None else kind
+            job = action.job if isinstance(action, JobAction) else None
+            label = job.kind if job is not None else "close"
             start, own_start = self._clock(), own_clock.now()
-            self.busy = EngineCall(label, start, 1 if job is not None else len(action[1]))
+            self.busy = EngineCall(label, start, 1 if job is not None else len(action.closes))
             try:
                 if job is None:
-                    self._close(engine, action[1])
-                elif not self._job(engine, job):
-                    with self._cond:  # unfinished: its next piece after the other jobs' turns
-                        self._jobs.append(job)
-                        self._after_waiting(job)
+                    self._close(engine, action.closes)
                 else:
-                    self._waits_in_row = 0
+                    finished = self._job(engine, job)
+                    with self._cond:
+                        after = self._jobs.after_piece(job, finished)
+                        if after == "next":
+                            self._after_tick = True
+                        elif after == "pause":
+                            self._cond.wait(JOBS_STALLED_PAUSE_S)
             finally:
                 self.busy = None
                 if job is None or not job.waited:  # a piece that waited did no engine work
@@ -342,71 +354,9 @@ class TickScheduler:
 
     def loading_status(self) -> dict[str, Any] | None:
         """The phase and progress of a load under way (None once it has finished)."""
-        current, started = self.load_progress, self.load_started
-        if self.ready.is_set() or started is None:
-            return None
-        body = current.as_dict() if current is not None else {"phase": "starting"}
-        body["elapsed_s"] = round(time.monotonic() - started, 1)
-        return body
+        return self.load.status()
 
-    def _on_progress(self, report: progress.LoadProgress) -> None:
-        previous, self.load_progress = self.load_progress, report
-        if previous is None or previous.phase != report.phase:  # the steps of a phase: /ready shows them
-            log.info("loading (device %s): %s%s", self.device, report.phase, f": {report.detail}" if report.detail
-                     else "")
-
-    def _load(self) -> Engine | None:
-        self.load_started = time.monotonic()
-        try:
-            with progress.listening(self._on_progress):
-                engine = self._factory()
-                self.voices = tuple(engine.voices())
-                self._warm_up(engine)
-                # A GPU engine captures (and compiles) its tick per batch size on first use:
-                # seconds that would stall every live session (and trip the watchdog) when the
-                # load first grows.  Pay them all here, before /ready, warm-up or not (and
-                # before the memory plan measures the graphs).
-                engine.capture_graphs()
-                # The plan's items measured (graph pools, the longest join's peak): a plan that
-                # does not fit ends the load with one line saying what does.
-                plan = engine.settle_memory_plan() if hasattr(engine, "settle_memory_plan") else None
-                self.memory_plan = plan.as_dict() if plan is not None else None
-        except BaseException as exc:  # noqa: BLE001 - reported through /health and opens
-            if isinstance(exc, _INPUT_LOAD_ERRORS) or type(exc).__name__ == "OutOfMemoryError":
-                # What the operator gave or has (files, memory): their message says it all.
-                log.error("engine failed to load (device %s): %s", self.device, exc)
-            else:  # a defect: keep the traceback
-                log.exception("engine failed to load (device %s)", self.device)
-            # Without its traceback: the frames would keep the half-built engine (and its
-            # device memory) alive while the server reports the failure.
-            exc.__traceback__ = None
-            if exc.__cause__ is not None:
-                exc.__cause__.__traceback__ = None
-            self.load_error = exc
-            self.ready.set()
-            return None
-        self.info = engine.info
-        self.ready.set()
-        log.info("engine ready: model=%s backend=%s device=%s slots=%d", engine.info.model, engine.info.backend,
-                 self.device or engine.info.device, engine.info.max_slots)
-        return engine
-
-    def _warm_up(self, engine: Engine) -> None:
-        """Step a throwaway slot with silence so the first real session pays no one-time cost
-        (lazy allocations, kernel selection, the default prefill)."""
-        if self._warmup_frames <= 0:
-            return
-        progress.report(progress.WARM_UP, f"{self._warmup_frames} frames of silence")
-        start = time.perf_counter()
-        slot = engine.open_slot(SessionSpec())
-        try:
-            for _ in range(self._warmup_frames):
-                engine.step([slot], self._silence[None, :])
-        finally:
-            engine.close_slot(slot)
-        log.info("warm-up: %d frames in %.0f ms", self._warmup_frames, (time.perf_counter() - start) * 1e3)
-
-    def _next_action(self) -> tuple[Any, ...] | None:
+    def _next_action(self) -> Action | None:
         with self._cond:
             while True:
                 if self._stopping:
@@ -419,17 +369,17 @@ class TickScheduler:
                 # before it at most (closes that keep arriving must not starve the live lanes).
                 if self._closes and (not ready or not self._closed_since_take):
                     return self._take_closes()
-                job = self._next_job(now) if self._jobs and (self._after_tick or not ready) else None
+                job = self._jobs.take(now) if self._jobs and (self._after_tick or not ready) else None
                 if job is not None:
                     self._after_tick = False
-                    return ("job", job)
-                oldest = min(lane.frames[0][1] for lane in ready) if ready else None
+                    return JobAction(job)
+                oldest = min(lane.frames[0].arrival for lane in ready) if ready else None
                 decision = self._policy.decide(TickState(now, len(live), len(ready), oldest, self._last_take,
                                                          self._tick_s))
                 if decision.tick:
                     self._live_at_take = len(live)
                     self._closed_since_take = False
-                    return ("tick", self._take(ready, now))
+                    return TickAction(self._take(ready, now))
                 if self._closes:  # no tick due yet: the gap is free
                     return self._take_closes()
                 wait = decision.wait_s
@@ -437,32 +387,12 @@ class TickScheduler:
                     wait = silence_due - now if wait is None else min(wait, silence_due - now)
                 self._cond.wait(wait)
 
-    def _next_job(self, now: float) -> _Job | None:
-        """Under the lock: the next job to run a piece of, in turn, among those under way and,
-        while fewer than ``concurrent_joins`` are, the longest waiting; opens that waited past
-        ``join_wait_s`` for their turn are refused here."""
-        expired = [job for job in self._jobs
-                   if not job.started and job.kind == "open" and now - job.queued_at > self._join_wait_s]
-        for job in expired:
-            self._jobs.remove(job)
-            log.warning("open of %s refused: no turn to prepare it within %g s (%d joins under way)", job.key,
-                        self._join_wait_s, self._concurrent_joins)
-            _settle(job.future, error=JoinTurnTimeout(
-                f"the server is preparing other sessions and had no turn for this one within "
-                f"{self._join_wait_s:g} s; try again"))
-        under_way = sum(1 for job in self._jobs if job.started)
-        for job in self._jobs:
-            if job.started or under_way < self._concurrent_joins:
-                self._jobs.remove(job)
-                return job
-        return None
-
-    def _take_closes(self) -> tuple[str, list[tuple[str, concurrent.futures.Future]]]:
+    def _take_closes(self) -> CloseAction:
         """Under the lock: every queued close, for one engine call."""
         closes = list(self._closes)
         self._closes.clear()
         self._closed_since_take = True
-        return ("close", closes)
+        return CloseAction(closes)
 
     def _feed_silence(self, now: float) -> float | None:
         """Queue silence for stalled lanes; returns the next time one falls due (or None)."""
@@ -474,26 +404,26 @@ class TickScheduler:
                 continue
             due = lane.next_silence if lane.next_silence is not None else lane.stalled_since + self._grace
             if now >= due:
-                lane.frames.append((self._silence, due, True))
+                lane.frames.append(LaneFrame(self._silence, due, True))
                 # No catch-up burst after a long tick: the next one is a period from now at most.
                 lane.next_silence = max(due + FRAME_PERIOD_S, now)
             else:
                 next_due = due if next_due is None else min(next_due, due)
         return next_due
 
-    def _take(self, ready: Sequence[_Lane], now: float) -> list[tuple[_Lane, int, np.ndarray, float, bool]]:
+    def _take(self, ready: Sequence[_Lane], now: float) -> list[BatchItem]:
         self._last_take = now
         batch = []
         for lane in ready:
-            frame, arrival, silent = lane.frames.popleft()
-            if not lane.frames and not silent:
+            frame = lane.frames.popleft()
+            if not lane.frames and not frame.silent:
                 lane.stalled_since = now
-            batch.append((lane, lane.epoch, frame, arrival, silent))
+            batch.append(BatchItem(lane, lane.epoch, frame.pcm, frame.arrival, frame.silent))
         return batch
 
-    def _tick(self, engine: Engine, batch: list[tuple[_Lane, int, np.ndarray, float, bool]]) -> None:
-        slots = [lane.slot for lane, *_ in batch]
-        pcm = np.stack([frame for _, _, frame, _, _ in batch])
+    def _tick(self, engine: Engine, batch: list[BatchItem]) -> None:
+        slots = [item.lane.slot for item in batch]
+        pcm = np.stack([item.pcm for item in batch])
         start = self._clock()
         self.busy = EngineCall("tick", start, len(batch))
         try:
@@ -515,26 +445,26 @@ class TickScheduler:
         except Exception as exc:  # noqa: BLE001 - malformed outputs: nobody gets this tick's frame
             self._batch_fault(batch, exc)
 
-    def _hand_back_outputs(self, batch: list, outputs: list[FrameOutput], start: float) -> None:
+    def _hand_back_outputs(self, batch: list[BatchItem], outputs: list[FrameOutput], start: float) -> None:
         self.failed_ticks_in_row = 0
         seconds = self._clock() - start
         self._ticks += 1
         self._tick_s = seconds if self._ticks == 1 else (
             TICK_TIME_SMOOTHING * seconds + (1.0 - TICK_TIME_SMOOTHING) * self._tick_s)
         pcm16 = float_to_pcm16(np.stack([out.pcm for out in outputs]))
-        silent_inputs = sum(1 for *_, silent in batch if silent)
+        silent_inputs = sum(1 for item in batch if item.silent)
         self._metrics.observe_tick(seconds, len(batch), silent_inputs, device=self.device, live=self._live_at_take)
         tick_ms = seconds * 1e3
         self._hand_back([
-            FrameResult(lane.key, epoch, pcm16[i], out.text, int(out.text_id), silent, self._ticks, tick_ms,
-                        len(batch), (start - arrival) * 1e3)
-            for i, ((lane, epoch, _, arrival, silent), out) in enumerate(zip(batch, outputs))
+            FrameResult(item.lane.key, item.epoch, pcm16[i], out.text, int(out.text_id), item.silent, self._ticks,
+                        tick_ms, len(batch), (start - item.arrival) * 1e3)
+            for i, (item, out) in enumerate(zip(batch, outputs))
         ])
 
-    def _slot_fault(self, batch: list, fault: SlotFault) -> tuple[list, list[FrameOutput]]:
+    def _slot_fault(self, batch: list[BatchItem], fault: SlotFault) -> tuple[list[BatchItem], list[FrameOutput]]:
         """Fail the lanes ``fault`` names; returns the lanes that did advance, with outputs."""
         failed = set(fault.slots)
-        if not failed & {lane.slot for lane, *_ in batch} or (fault.outputs is not None
+        if not failed & {item.lane.slot for item in batch} or (fault.outputs is not None
                                                               and len(fault.outputs) != len(batch)):
             self._batch_fault(batch, fault)  # it names nobody in this tick, or is malformed: no trust
             return [], []
@@ -546,12 +476,12 @@ class TickScheduler:
         failures, kept, outputs = [], [], []
         with self._cond:
             for i, item in enumerate(batch):
-                lane, epoch, frame, arrival, silent = item
+                lane = item.lane
                 if lane.slot in failed:
-                    failures.append(self._suspend(lane, epoch, message))
+                    failures.append(self._suspend(lane, item.epoch, message))
                 elif fault.outputs is None:
                     if lane.live:  # nothing advanced: step this frame again next tick
-                        lane.frames.appendleft((frame, arrival, silent))
+                        lane.frames.appendleft(LaneFrame(item.pcm, item.arrival, item.silent))
                 elif fault.outputs[i] is not None:
                     kept.append(item)
                     outputs.append(fault.outputs[i])
@@ -560,7 +490,7 @@ class TickScheduler:
         self._hand_back(failures)
         return kept, outputs
 
-    def _batch_fault(self, batch: list, exc: BaseException) -> None:
+    def _batch_fault(self, batch: list[BatchItem], exc: BaseException) -> None:
         """The engine cannot say which lane failed: fail them all, keep serving."""
         self._metrics.inc("tick_failures", "batch")
         self.failed_ticks_in_row += 1
@@ -570,7 +500,7 @@ class TickScheduler:
         message = withheld(f"the model failed on a tick shared by {len(batch)} sessions; which session caused it is "
                            "unknown, so every one of them was restarted", error_id)
         with self._cond:
-            failures = [self._suspend(lane, epoch, message) for lane, epoch, *_ in batch]
+            failures = [self._suspend(item.lane, item.epoch, message) for item in batch]
         self._hand_back(failures)
 
     def _suspend(self, lane: _Lane, epoch: int, message: str) -> FrameFailure:
@@ -589,11 +519,7 @@ class TickScheduler:
                 if lane is not None:
                     slots.append(lane.slot)
                     continue
-                # Not opened yet: cancel the pending open (and drop its prefill) instead.
-                for job in [job for job in self._jobs if job.kind == "open" and job.key == key]:
-                    self._jobs.remove(job)
-                    job.future.cancel()
-                    self._drop(job)
+                self._jobs.cancel_opens(key)  # not opened yet: cancel the open (and its prefill) instead
         error = None
         try:
             if slots:
@@ -608,30 +534,16 @@ class TickScheduler:
     def _count_slots(self, engine: Engine) -> None:
         self.slots_taken = engine.info.max_slots - engine.free_slots()
 
-    def _after_waiting(self, job: _Job) -> None:
-        """Under the lock, after ``job``'s piece: a piece that waited spent no engine time, so
-        the next job may have this gap; once every job in turn has waited (none can advance,
-        which the engine's contract rules out), pause briefly rather than spin."""
-        if not job.waited:
-            self._waits_in_row = 0
-            return
-        self._waits_in_row += 1
-        if self._waits_in_row < len(self._jobs):
-            self._after_tick = True
-        else:
-            self._waits_in_row = 0
-            self._cond.wait(JOBS_STALLED_PAUSE_S)
-
-    def _job(self, engine: Engine, job: _Job) -> bool:
+    def _job(self, engine: Engine, job: Job) -> bool:
         """Run the next piece of ``job``; True once it is finished (done, failed or moot)."""
         if job.kind == "open":
             return self._open_piece(engine, job)
         return self._restart_piece(engine, job)
 
-    def _open_piece(self, engine: Engine, job: _Job) -> bool:
+    def _open_piece(self, engine: Engine, job: Job) -> bool:
         try:
-            prefill = self._prepare_piece(engine, job, job.spec)
-            if prefill is _UNFINISHED:
+            prefill = job.next_piece(engine, job.spec)
+            if prefill is UNFINISHED:
                 return False
             slot = engine.open_slot(job.spec, prefill)
         except Exception as exc:  # noqa: BLE001 - EngineError subclasses carry the client code
@@ -645,20 +557,20 @@ class TickScheduler:
         _settle(job.future, slot)
         return True
 
-    def _restart_piece(self, engine: Engine, job: _Job) -> bool:
+    def _restart_piece(self, engine: Engine, job: Job) -> bool:
         with self._cond:
             lane = self._lanes.get(job.key)
             if lane is None or lane.closing:
-                self._drop(job)
+                job.drop()
                 return True
         try:
-            prefill = self._prepare_piece(engine, job, lane.spec)
+            prefill = job.next_piece(engine, lane.spec)
         except Exception:  # noqa: BLE001
             error_id = new_error_id()
             log.exception("preparing the restart of slot %s failed [%s]", lane.slot, error_id)
             self._restart_failed(lane, error_id)
             return True
-        if prefill is _UNFINISHED:
+        if prefill is UNFINISHED:
             return False
         with self._cond:
             # The epoch asked for by now: a restart asked for while this one was being
@@ -677,25 +589,6 @@ class TickScheduler:
             lane.stalled_since = self._clock()
             lane.next_silence = None
         return True
-
-    @staticmethod
-    def _drop(job: _Job) -> None:
-        """Stop ``job``'s preparation now: what it holds (a device cache, the engine's piece
-        graph) is given back at once, not whenever the generator is collected."""
-        if job.pieces is not None:
-            job.pieces.close()
-
-    @staticmethod
-    def _prepare_piece(engine: Engine, job: _Job, spec: SessionSpec) -> Any:
-        """The next piece of ``job``'s preparation of ``spec``: its result once the last piece
-        ran, else ``_UNFINISHED``; raises what preparing raised."""
-        if job.pieces is None:
-            job.pieces = engine.prepare_in_pieces(spec)
-        try:
-            job.waited = next(job.pieces) is WAITING
-        except StopIteration as done:
-            return done.value
-        return _UNFINISHED
 
     def _restart_failed(self, lane: _Lane, error_id: str, target: int | None = None) -> None:
         with self._cond:

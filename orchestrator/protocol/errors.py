@@ -108,7 +108,7 @@ def failure_reason(exc: BaseException) -> str:
 def counted_failure(exc: BaseException) -> str | None:
     """The reason an open's failure in the engine is counted under, or None for a refusal
     that is no failure (an unknown voice, no free slot).  A typed refusal that names a
-    ``reason`` (the scheduler's ``JoinTurnTimeout``) is counted under it: the client was
+    ``reason`` (``lockstep.joins.JoinTurnTimeout``) is counted under it: the client was
     told to retry, the operator sees how often."""
     if is_typed_refusal(exc):
         return getattr(exc, "reason", None)
