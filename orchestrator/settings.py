@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import tomllib
 
-from engines.config import BACKENDS, COMPILE_MODES, KV_CACHE_MODES, WEIGHT_MODES, WindowMode
+from engines.spec import SpecError, check_engine_options
 from engines.checkpoints.hub import DEFAULT_REPO, parse_repo_ref
 from engines.checkpoints.random_weights import random_model_name
 
 if TYPE_CHECKING:
-    from engines.runtime.memory_plan import MemorySettings
+    from engines.spec import EngineSpec, MemorySettings
 
 from .lockstep.tick_policy import POLICIES, PacedPolicy, WindowPolicy, make_policy
 
@@ -38,6 +38,8 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 # Default admission on CPU: the tiny demo model steps a frame in a few ms per session on two
 # cores, and 8 sessions is the CPU load target (spec/performance.md).
 CPU_DEFAULT_MAX_SESSIONS = 8
+# The settings that are the engine's options (engines/spec.py checks them).
+ENGINE_OPTIONS = ("checkpoint", "backend", "window", "kv_cache", "compile", "weights", "cpu_threads")
 # Settings whose None is spelled "auto" too (the engine decides).
 AUTO_SETTINGS = ("max_sessions",)
 
@@ -195,17 +197,10 @@ class Settings:
             positive(name, allow_zero=True)
         for name in ("concurrent_joins", "join_wait_s"):
             positive(name)
-        if self.compile not in COMPILE_MODES:
-            raise SettingsError(f"{env_name('compile')} must be auto, on or off, got {self.compile!r}")
-        if self.kv_cache not in KV_CACHE_MODES:
-            raise SettingsError(f"{env_name('kv_cache')} must be one of {', '.join(KV_CACHE_MODES)}, "
-                                f"got {self.kv_cache!r}")
-        if self.window not in WindowMode.ALL:
-            raise SettingsError(f"{env_name('window')} must be one of {', '.join(WindowMode.ALL)}, "
-                                f"got {self.window!r}")
-        if self.weights not in WEIGHT_MODES:
-            raise SettingsError(f"{env_name('weights')} must be one of {', '.join(WEIGHT_MODES)}, "
-                                f"got {self.weights!r}")
+        try:  # the engine's options, as the engine checks them (engines/spec.py), named as settings
+            check_engine_options({name: getattr(self, name) for name in ENGINE_OPTIONS}, env_name)
+        except SpecError as exc:
+            raise SettingsError(str(exc)) from None
         for name in ("frames_per_delta", "first_message_timeout_s", "idle_timeout_s",
                      "ready_wait_s", "max_event_bytes", "max_native_message_bytes", "max_pending_input_bytes",
                      "max_output_buffer_bytes", "max_connections_per_worker", "close_timeout_s"):
@@ -227,26 +222,12 @@ class Settings:
             if self.device != "auto":
                 raise SettingsError(f"set {env_name('device')} or {env_name('devices')}, not both")
         self._check_checkpoint()
-        if self.backend not in BACKENDS:
-            raise SettingsError(f"{env_name('backend')} must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.backend == "trtllm" and self.weights != "auto":
-            raise SettingsError(f"{env_name('weights')}={self.weights} needs {env_name('backend')}=torch (a "
-                                "TensorRT-LLM engine's weight precision is fixed when it is built)")
-        if self.backend == "trtllm" and self.checkpoint is None:
-            raise SettingsError(f"{env_name('backend')}=trtllm needs {env_name('checkpoint')} set to a build "
-                                "directory written by convert_checkpoint.py")
         self._check_reliability(positive)
 
     def _check_checkpoint(self) -> None:
-        try:
-            random_model = random_model_name(self.checkpoint)
-        except ValueError as exc:
-            raise SettingsError(f"{env_name('checkpoint')}: {exc}") from None
-        if random_model is not None:
-            if self.backend != "torch":
-                raise SettingsError(f"{env_name('checkpoint')}={self.checkpoint} (random weights) needs "
-                                    f"{env_name('backend')}=torch")
-        elif self.checkpoint is not None and not Path(self.checkpoint).expanduser().is_dir():
+        """What the engine's own check leaves: that a checkpoint is a directory or a repo id."""
+        if random_model_name(self.checkpoint) is None and self.checkpoint is not None \
+                and not Path(self.checkpoint).expanduser().is_dir():
             if self.backend == "trtllm":
                 raise SettingsError(f"{env_name('checkpoint')}={self.checkpoint!r} is not a directory (a build "
                                     "directory written by convert_checkpoint.py)")
@@ -298,12 +279,14 @@ class Settings:
             return "sphn"
         return "libopus"
 
-    def engine_kwargs(self, device: str) -> dict[str, Any]:
-        """What ``engines.runtime.factory.create_engine`` takes, besides the checkpoint, for the
-        engine of ``device``."""
-        return dict(max_slots=self.resolved_max_sessions(device), device=device, backend=self.backend,
-                    window=self.window, kv_cache=self.kv_cache, compile=self.compile, weights=self.weights,
-                    voice_dir=self.voice_dir, cpu_threads=self.cpu_threads, memory=self.memory_settings())
+    def engine_spec(self, device: str) -> "EngineSpec":
+        """What the engine of ``device`` is built from (``engines.runtime.factory.build_engine``)."""
+        from engines.spec import EngineSpec
+
+        return EngineSpec(checkpoint=self.checkpoint, max_slots=self.resolved_max_sessions(device), device=device,
+                          backend=self.backend, window=self.window, kv_cache=self.kv_cache, compile=self.compile,
+                          weights=self.weights, voice_dir=self.voice_dir, cpu_threads=self.cpu_threads,
+                          memory=self.memory_settings())
 
     def tick_policy_object(self) -> WindowPolicy | PacedPolicy:
         """The scheduler's tick policy, as these settings configure it."""
@@ -395,7 +378,7 @@ class Settings:
 
     def memory_settings(self) -> "MemorySettings":
         """The engine's memory plan settings (``engines.runtime.memory_plan``)."""
-        from engines.runtime.memory_plan import GIB, MemorySettings
+        from engines.spec import GIB, MemorySettings
 
         return MemorySettings(limit_bytes=None if self.memory_limit_gb is None else int(self.memory_limit_gb * GIB),
                               margin_bytes=int(self.memory_margin_gb * GIB),

@@ -78,7 +78,7 @@ def test_an_eight_step_copy_refuses_sixteen_steps_and_is_smaller(tiny_checkpoint
 def test_the_memory_plan_counts_the_smaller_weights(tiny_checkpoint, copy16):
     """The memory plan counts the weights as loaded: an fp8 copy's (and weights quantized at
     load) take fewer bytes than the checkpoint's own, and what they save goes to sessions."""
-    from engines.runtime.memory_plan import MemorySettings
+    from engines.spec import MemorySettings
 
     memory = MemorySettings(limit_bytes=64 << 20, margin_bytes=0, prefill_cache_bytes=0)
     plans = {}

@@ -109,6 +109,7 @@ def test_the_cycle_finder_finds_a_cycle_hidden_in_a_function():
 
 # What the orchestrator may import from engines/ when its modules load: no torch among them.
 ENGINES_API = {"engines", "engines.config", "engines.interface", "engines.errors", "engines.audio_io", "engines.progress",
+               "engines.spec",
                "engines.checkpoints", "engines.checkpoints.hub", "engines.checkpoints.random_weights",
                "engines.checkpoints.weights_format"}
 

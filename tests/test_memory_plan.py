@@ -11,7 +11,8 @@ import torch
 
 from engines.errors import MemoryPlanError
 from engines.runtime.factory import create_engine
-from engines.runtime.memory_plan import GIB, MemoryPlan, MemorySettings, PlanItem, choose_sessions
+from engines.runtime.memory_plan import MemoryPlan, PlanItem, choose_sessions
+from engines.spec import GIB, MemorySettings
 
 MIB = 1 << 20
 

@@ -416,14 +416,14 @@ def test_one_failed_engine_leaves_the_server_healthy_and_serving():
     """In process: the first engine built fails to load, the second serves.  /health stays 200
     with the failed device in its detail, /ready is 200, placement skips the failed engine,
     and the full refusal counts the whole capacity."""
-    from engines.runtime.factory import create_engine
+    from engines.runtime.factory import build_engine
     from orchestrator.frontend.services import Services
 
-    def factory(*args, **kwargs):
+    def factory(spec):
         # The engines load on their own threads in either order: fail cpu#0's by its thread.
         if threading.current_thread().name.endswith("cpu#0"):
             raise RuntimeError("CUDA error: out of memory (injected)")
-        return create_engine(*args, **kwargs)
+        return build_engine(spec)
 
     async def scenario():
         services = Services(Settings(devices=("cpu", "cpu"), max_sessions=1, auth="off", warmup_frames=0), factory)
@@ -456,14 +456,14 @@ def test_no_session_starts_while_another_engine_is_still_loading():
     """In process: engine cpu#0 loads at once, cpu#1 is held in its load.  /ready stays 503
     "loading" and a session placed on the ready engine does not open until cpu#1 is done
     (an engine still compiling would take the interpreter from the other's ticks)."""
-    from engines.runtime.factory import create_engine
+    from engines.runtime.factory import build_engine
     from engines.interface import SessionSpec
     from orchestrator.frontend.services import Services
 
     release = threading.Event()
 
-    def factory(*args, **kwargs):
-        engine = create_engine(*args, **kwargs)
+    def factory(spec):
+        engine = build_engine(spec)
         # The engines load on their own threads in either order: hold the one of cpu#1 by its
         # thread's name, not by call order.
         if threading.current_thread().name.endswith("cpu#1"):

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from engines.runtime.factory import create_torch_engine
+from engines.spec import EngineSpec
 from engines.checkpoints.tiny import ensure_tiny_checkpoint
 from engines.checkpoints.voices import build_voice_prompt
 from tests.hub_support import write_hub_cache
@@ -62,12 +63,12 @@ BAD_SETTINGS = [
 @pytest.mark.parametrize("cpu_threads", [1, 0])
 def test_an_engine_on_the_cpu_runs_torch_with_the_configured_threads(cpu_threads):
     """PERSONAPLEX_CPU_THREADS reaches the engine's torch (the server's engines are built with
-    Settings.engine_kwargs); 0 leaves torch's own default."""
+    Settings.engine_spec); 0 leaves torch's own default."""
     script = ("import torch\n"
-              "from engines.runtime.factory import create_engine\n"
+              "from engines.runtime.factory import build_engine\n"
               "from orchestrator.settings import Settings\n"
               "default = torch.get_num_threads()\n"
-              f"create_engine(None, **Settings.from_mapping({{'cpu_threads': {cpu_threads}}}).engine_kwargs('cpu'))\n"
+              f"build_engine(Settings.from_mapping({{'cpu_threads': {cpu_threads}}}).engine_spec('cpu'))\n"
               "print(default, torch.get_num_threads())\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)),
@@ -113,7 +114,7 @@ def test_a_port_in_use_is_one_line_with_personaplex_serve():
 @pytest.fixture(scope="module")
 def my_voice_dir(tmp_path_factory) -> tuple:
     """A voice made by the voice builder from real speech, saved under the name a client asks for."""
-    engine = create_torch_engine(None, max_slots=1, device="cpu")
+    engine = create_torch_engine(EngineSpec(max_slots=1, device="cpu"))
     voices = tmp_path_factory.mktemp("my-voices")
     torch.save(build_voice_prompt(engine, speech(3.0, offset_s=3.0)), voices / "ME.pt")
     return voices

@@ -1,57 +1,61 @@
-"""Build the configured engine (the one entry point the orchestrator and CLIs use)."""
+"""Build the configured engine (the one entry point the orchestrator and CLIs use): from an
+``engines.spec.EngineSpec``, whole."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from engines.config import BACKENDS, WindowMode
+from engines.checkpoints.random_weights import RANDOM_PREFIX, random_model_name
 from engines.interface import Engine
-from engines.runtime.memory_plan import MemorySettings
-from engines.checkpoints.random_weights import create_random_engine, random_model_name
+from engines.spec import EngineSpec
 
 log = logging.getLogger(__name__)
 
-def create_torch_engine(
-    checkpoint: str | Path | None,
-    *,
-    max_slots: int | None,
-    device: str = "cpu",
-    window: str = WindowMode.REFERENCE,
-    depformer_steps: int = 8,
-    kv_cache: str = "auto",
-    compile: str = "auto",
-    weights: str = "auto",
-    memory: MemorySettings = MemorySettings(),
-    **locate_overrides,
-):
-    """The PyTorch engine for ``checkpoint`` (``None``: the embedded tiny demo model).
 
-    ``checkpoint`` is a directory or a Hugging Face repo id (``owner/name[@revision]``,
-    downloaded into the standard cache: ``engines/checkpoints/hub.py``).  ``locate_overrides`` are
-    explicit file paths (``lm_weights``, ``mimi_weights``, ``tokenizer``, ``voices_dir``)
+def create_torch_engine(spec: EngineSpec, depformer_steps: int = 8, **locate_overrides):
+    """The PyTorch engine of ``spec`` (its checkpoint ``None``: the embedded tiny demo model).
+
+    The checkpoint is a directory or a Hugging Face repo id (``owner/name[@revision]``,
+    downloaded into the standard cache: ``engines/checkpoints/hub.py``).  ``locate_overrides``
+    are explicit file paths (``lm_weights``, ``mimi_weights``, ``tokenizer``, ``voices_dir``)
     that take precedence over the directory's files.
     """
     from engines.checkpoints import loader as ckpt
-    from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
     from engines.checkpoints.hub import resolve_checkpoint
     from engines.checkpoints.tiny import ensure_tiny_checkpoint
+    from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
 
+    checkpoint = spec.checkpoint
     is_demo = checkpoint is None and not locate_overrides.get("lm_weights")
     if is_demo:
         checkpoint = ensure_tiny_checkpoint()
         # The server and the CLIs each say how to point at real weights in their own terms.
         log.info("using the embedded tiny demo checkpoint (untrained) at %s", checkpoint)
     files = ckpt.locate(resolve_checkpoint(checkpoint), **locate_overrides)
-    options = EngineOptions(device=device, window=window, depformer_steps=depformer_steps, kv_cache=kv_cache,
-                            compile=_compile_enabled(compile, device), weights=weights, memory=memory)
-    return PersonaPlexEngine.from_files(files, max_slots, options, is_demo=is_demo)
+    options = EngineOptions.from_spec(spec, depformer_steps=depformer_steps)
+    return PersonaPlexEngine.from_files(files, spec.max_slots, options, is_demo=is_demo)
 
 
-def _compile_enabled(compile: str, device: str) -> bool:
-    # Compiled blocks pay off on a GPU (fewer kernels in the tick graph); on CPU the exact
-    # eager path is the reference.
-    return compile == "on" or (compile == "auto" and device.startswith("cuda"))
+def create_random_engine(name: str, spec: EngineSpec):
+    """A ``PersonaPlexEngine`` with random weights at ``name``'s shapes
+    (``engines/checkpoints/random_weights.py``), as ``spec`` describes it."""
+    from engines import progress
+    from engines.checkpoints import loader as ckpt
+    from engines.checkpoints.random_model import build_random_engine
+    from engines.checkpoints.tiny import TINY_LM, TINY_MIMI, TINY_VOICES, ensure_tiny_checkpoint
+    from engines.config import LMConfig, MimiConfig
+    from engines.runtime.torch_engine import EngineOptions
+
+    lm_cfg, mimi_cfg = (TINY_LM, TINY_MIMI) if name == "tiny" else (LMConfig(), MimiConfig())
+    log.warning("RANDOM WEIGHTS: building %s%s on %s with random weights at %s shapes; its speech is noise "
+                "(for capacity and latency measurements only)", RANDOM_PREFIX, name, spec.device, name)
+    tokenizer = ensure_tiny_checkpoint() / ckpt.TOKENIZER_FILE
+    progress.report(progress.WEIGHTS, f"random weights at {name} shapes")
+    return build_random_engine(spec.max_slots, spec.device, tokenizer, lm_cfg=lm_cfg, mimi_cfg=mimi_cfg,
+                               kv_cache=spec.kv_cache, compile=spec.compiled, weights=spec.weights,
+                               window=spec.window, voice_names=tuple(TINY_VOICES), model_name=f"random-{name}",
+                               is_demo=True, options=EngineOptions.from_spec(spec))
 
 
 def _bind_thread_to(device: str) -> None:
@@ -71,66 +75,43 @@ def _bind_thread_to(device: str) -> None:
         torch.cuda.set_device(index)
 
 
-def create_engine(
-    checkpoint: str | Path | None,
-    *,
-    max_slots: int | None,
-    device: str = "cpu",
-    backend: str = "torch",
-    window: str = WindowMode.REFERENCE,
-    kv_cache: str = "auto",
-    compile: str = "auto",
-    weights: str = "auto",
-    voice_dir: str | Path | None = None,
-    cpu_threads: int = 0,
-    memory: MemorySettings = MemorySettings(),
-) -> Engine:
-    """Load ``checkpoint`` (a local checkpoint directory, or a Hugging Face repo id) into an
-    engine with ``max_slots`` session slots (None: the torch backend's memory plan decides,
-    ``memory`` its settings; ``engines/runtime/memory_plan.py``).  ``None`` selects the embedded default: the
-    deterministic tiny demo checkpoint, generated once into a cache directory;
-    ``random:<model>`` random weights at that model's shapes (``engines/checkpoints/random_weights.py``).
-    ``voice_dir``: more voices, served ahead of the checkpoint's (every file checked now).
-    ``weights``: ``EngineOptions.weights`` ("fp8": the torch backend only).
-    ``cpu_threads``: torch's intra-op threads for an engine on the CPU (the whole process's;
-    0 leaves torch's default).
+def build_engine(spec: EngineSpec) -> Engine:
+    """The engine ``spec`` describes (checked when the spec was made).  Its checkpoint: a local
+    checkpoint directory or a Hugging Face repo id; ``None``, the embedded default (the
+    deterministic tiny demo checkpoint, generated once into a cache directory); ``random:<model>``,
+    random weights at that model's shapes (``engines/checkpoints/random_weights.py``); with the
+    trtllm backend, a build directory written by convert_checkpoint.py.  ``voice_dir``: more
+    voices, served ahead of the checkpoint's (every file checked now).  ``cpu_threads``:
+    torch's intra-op threads for an engine on the CPU (the whole process's).
 
-    On CUDA the calling thread's current device becomes ``device``: drive the engine from
+    On CUDA the calling thread's current device becomes the spec's: drive the engine from
     this thread."""
+    device = spec.device
     _bind_thread_to(device)
-    if device == "cpu" and cpu_threads > 0:
+    if device == "cpu" and spec.cpu_threads > 0:
         import torch
 
-        torch.set_num_threads(cpu_threads)
+        torch.set_num_threads(spec.cpu_threads)
     if device.startswith("cuda"):  # compiled pieces and Triton kernels: keep them for the next start
         from engines.fastpath.compiled import use_persistent_caches
 
         use_persistent_caches()
-    random_model = random_model_name(checkpoint)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
-    if weights != "auto" and backend != "torch":
-        # TensorRT-LLM fixes its weights' precision when its engine is built.
-        raise ValueError(f"weights={weights!r} needs the torch backend, not {backend!r}")
+    random_model = random_model_name(spec.checkpoint)
     if random_model is not None:
-        if backend != "torch":
-            raise ValueError(f"random weights ({checkpoint}) need the torch backend, not {backend!r}")
-        engine = create_random_engine(random_model, max_slots=max_slots, device=device, window=window,
-                                      kv_cache=kv_cache, compile=_compile_enabled(compile, device),
-                                      weights=weights, memory=memory)
-    elif backend == "torch":
-        engine = create_torch_engine(checkpoint, max_slots=max_slots, device=device, window=window,
-                                     kv_cache=kv_cache, compile=compile, weights=weights, memory=memory)
+        engine = create_random_engine(random_model, spec)
+    elif spec.backend == "torch":
+        engine = create_torch_engine(spec)
     else:
-        # ``checkpoint`` is then a build directory written by convert_checkpoint.py.
         from engines.runtime.trtllm import create_trtllm_engine
 
-        if max_slots is None:
-            raise ValueError("the TensorRT-LLM backend admits the sessions its build was made for: give max_slots")
-
-        engine = create_trtllm_engine(checkpoint, max_slots=max_slots, device=device, window=window,
-                                      kv_cache=kv_cache)
-    if voice_dir is not None:
-        names = engine.voice_store.add_directory(voice_dir)
-        log.info("serving %d voice(s) from %s: %s", len(names), voice_dir, ", ".join(names) or "none")
+        engine = create_trtllm_engine(spec.checkpoint, max_slots=spec.max_slots, device=device, window=spec.window,
+                                      kv_cache=spec.kv_cache)
+    if spec.voice_dir is not None:
+        names = engine.voice_store.add_directory(spec.voice_dir)
+        log.info("serving %d voice(s) from %s: %s", len(names), spec.voice_dir, ", ".join(names) or "none")
     return engine
+
+
+def create_engine(checkpoint: str | Path | None = None, **options) -> Engine:
+    """``build_engine(EngineSpec(checkpoint, **options))``: the same, named by keyword."""
+    return build_engine(EngineSpec(checkpoint, **options))

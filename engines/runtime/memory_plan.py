@@ -31,41 +31,10 @@ from typing import Any
 
 from engines.errors import MemoryPlanError
 
-GIB = 1 << 30
+from engines.spec import GIB
 # Sessions ``auto`` never goes past: the largest tick-graph bucket (more would tick eagerly).
 AUTO_MAX_SESSIONS = 160
 ITEM_ORDER = ("not_ours", "weights", "graphs", "joins", "prefill_cache", "margin")
-
-
-@dataclass(frozen=True)
-class MemorySettings:
-    """What the operator sets of the plan (``PERSONAPLEX_MEMORY_*``, ``..._PREFILL_CACHE_GB``,
-    ``..._CONCURRENT_JOINS``)."""
-
-    # Plan at all (on CUDA, or on any device with ``limit_bytes``); the benchmarks size their
-    # engines themselves.
-    enabled: bool = True
-    # The most device memory the engine plans with; None = the device's own, less what it
-    # holds before the engine loads (other processes, the CUDA context).
-    limit_bytes: int | None = None
-    # Kept free beside every planned item (allocator rounding, workspaces of new shapes).
-    margin_bytes: int = GIB
-    # What the cache of prepared prompts may keep on the device (0: none are kept).
-    prefill_cache_bytes: int = 2 * GIB
-    # Joins prepared at once (the scheduler holds the others back): the plan reserves the
-    # longest prompt's peak for each.
-    concurrent_joins: int = 1
-    # How the operator names the session count, in the plan's refusal.
-    sessions_setting: str = "max_sessions"
-
-    def __post_init__(self) -> None:
-        if self.concurrent_joins < 1:
-            raise ValueError(f"concurrent_joins must be >= 1, got {self.concurrent_joins}")
-        for name in ("margin_bytes", "prefill_cache_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.limit_bytes is not None and self.limit_bytes <= 0:
-            raise ValueError(f"limit_bytes must be > 0, got {self.limit_bytes}")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from engines.checkpoints.loader import (
     iter_lm_tensors,
 )
 from engines.fastpath.compiled import compile_dynamic
-from engines.config import KV_CACHE_MODES, SINE_TOKENS, TEXT_PAD_ID, WEIGHT_MODES
+from engines.config import SINE_TOKENS, TEXT_PAD_ID
 from engines.interface import WAITING, EngineInfo, Pieces, SessionSpec, to_completion
 from engines.model.lm import MoshiLM
 from engines.model.mimi import MimiCodec
@@ -44,7 +44,8 @@ from engines.model.prefill import (
 from engines.runtime.engine_runtime import EngineRuntime
 from engines.runtime import memory_probe
 from engines.errors import MemoryPlanError
-from engines.runtime.memory_plan import MemoryPlan, MemorySettings, PlanItem, choose_sessions
+from engines.runtime.memory_plan import MemoryPlan, PlanItem, choose_sessions
+from engines.spec import EngineSpec, MemorySettings, check_engine_options
 from engines.state.prompt_kv import PromptKV
 from engines.model.sampling import (
     STATIC_TOP_K,
@@ -101,14 +102,16 @@ class EngineOptions:
     memory: MemorySettings = MemorySettings()
 
     def __post_init__(self) -> None:
-        if self.window not in WindowMode.ALL:
-            raise ValueError(f"window must be one of {WindowMode.ALL}, got {self.window!r}")
+        check_engine_options({"window": self.window, "kv_cache": self.kv_cache, "weights": self.weights})
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if self.kv_cache not in KV_CACHE_MODES:
-            raise ValueError(f"kv_cache must be one of {KV_CACHE_MODES}, got {self.kv_cache!r}")
-        if self.weights not in WEIGHT_MODES:
-            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, **backend_only) -> "EngineOptions":
+        """The options ``spec`` gives the PyTorch backend (``backend_only``: the backend's own,
+        such as ``depformer_steps``)."""
+        return cls(device=spec.device, window=spec.window, kv_cache=spec.kv_cache, weights=spec.weights,
+                   compile=spec.compiled, memory=spec.memory, **backend_only)
 
 
 def plan_slots(lm: MoshiLM, mimi_cfg, num_slots: int | None, options: EngineOptions,

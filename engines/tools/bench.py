@@ -32,7 +32,7 @@ import torch
 import torch._dynamo
 
 from engines.config import FRAME_SAMPLES, LMConfig
-from engines.runtime.memory_plan import MemorySettings
+from engines.spec import MemorySettings
 from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
 from engines.interface import SamplingParams, SessionSpec, to_completion
 from engines.model.prefill import Prefill, build_prefill

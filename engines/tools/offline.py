@@ -24,6 +24,7 @@ import numpy as np
 from engines.config import DEFAULT_PERSONA, FRAME_SAMPLES, SAMPLE_RATE, WEIGHT_MODES, WindowMode
 from engines.errors import AudioInputError, CheckpointError
 from engines.interface import EngineError, SamplingParams, SessionSpec
+from engines.spec import EngineSpec
 
 log = logging.getLogger("engines.tools.offline")
 
@@ -116,9 +117,9 @@ def run(args: argparse.Namespace) -> None:
     if checkpoint is None and args.moshi_weight is None:
         log.warning("no --checkpoint given: using the embedded tiny demo model, which is UNTRAINED "
                     "(its speech is noise); pass --hf-repo nvidia/personaplex-7b-v1 (or --checkpoint DIR)")
-    engine = create_torch_engine(checkpoint, max_slots=1, device=device,
-                                 window=args.window, depformer_steps=args.depformer_steps, weights=args.weights,
-                                 **overrides)
+    engine = create_torch_engine(EngineSpec(checkpoint, max_slots=1, device=device, window=args.window,
+                                            weights=args.weights),
+                                 depformer_steps=args.depformer_steps, **overrides)
     if voice_wav:
         data = build_voice_prompt(engine, read_audio(voice))
         voice = Path(voice).with_suffix(".pt").name

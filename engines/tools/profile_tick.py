@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engines.tools.bench import GREEDY_SESSION, SAMPLED_SESSION, BenchConfig, full_window_prefill, typical_voice
 from engines.checkpoints.random_model import build_random_engine
-from engines.runtime.memory_plan import MemorySettings
+from engines.spec import MemorySettings
 from engines.runtime.torch_engine import EngineOptions
 from engines.model.prefill import build_prefill
 from engines.checkpoints.tiny import train_tokenizer

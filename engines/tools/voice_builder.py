@@ -21,6 +21,7 @@ import torch
 from engines.audio_io import read_audio
 from engines.errors import AudioInputError, CheckpointError
 from engines.checkpoints.voices import build_voice_prompt
+from engines.spec import EngineSpec
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("no --checkpoint given: building the voice with the embedded tiny demo model; "
                     "such a voice only fits that model (pass --hf-repo nvidia/personaplex-7b-v1 for real weights)")
     try:
-        engine = create_torch_engine(checkpoint, max_slots=1, device=args.device)
+        engine = create_torch_engine(EngineSpec(checkpoint, max_slots=1, device=args.device))
         pcm = read_audio(args.input_wav)
         voice = build_voice_prompt(engine, pcm)
     except (CheckpointError, AudioInputError) as exc:

@@ -29,7 +29,7 @@ def run_engine(run_dir: Path, index: int) -> int:
     device, label = entry["device"], entry["label"]
     import functools
 
-    from engines.runtime.factory import create_engine
+    from engines.runtime.factory import build_engine
 
     from ..fault_injection import with_fault_injection
     from ..ipc.endpoints import metrics_dir
@@ -37,10 +37,9 @@ def run_engine(run_dir: Path, index: int) -> int:
     from ..metrics import Metrics
     from .engine_process import EngineProcess
 
-    engine_kwargs = settings.engine_kwargs(device)
-    max_sessions = engine_kwargs["max_slots"]
-    factory = functools.partial(with_fault_injection(create_engine, settings.fault_injection), settings.checkpoint,
-                                **engine_kwargs)
+    spec = settings.engine_spec(device)
+    max_sessions = spec.max_slots
+    factory = functools.partial(with_fault_injection(build_engine, settings.fault_injection), spec)
     metrics = Metrics(metrics_dir(run_dir))
     metrics.declare_device(label)
     scheduler = TickScheduler(factory, policy=settings.tick_policy_object(), silence_grace_s=settings.silence_grace_s,

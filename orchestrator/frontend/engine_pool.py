@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from engines.interface import Engine, EngineInfo, SessionSpec
+from engines.spec import EngineSpec
 
 from ..engine_port import EngineCall
 from ..lockstep.scheduler import TickScheduler
@@ -41,7 +42,7 @@ from .engine_link import EngineLink
 
 log = logging.getLogger(__name__)
 
-EngineFactory = Callable[..., Engine]  # engines.runtime.factory.create_engine's signature
+EngineFactory = Callable[[EngineSpec], Engine]  # engines.runtime.factory.build_engine's signature
 # on_stall(engine, call, elapsed): an engine call of ``engine`` is past the watchdog deadline.
 StallHandler = Callable[["DeviceEngine", EngineCall, float], None]
 
@@ -196,9 +197,9 @@ class EnginePool:
         devices = settings.resolved_devices()
         engines = []
         for index, (device, label) in enumerate(zip(devices, device_labels(devices))):
-            engine_kwargs = settings.engine_kwargs(device)
-            max_sessions = engine_kwargs["max_slots"]
-            factory = functools.partial(engine_factory, settings.checkpoint, **engine_kwargs)
+            spec = settings.engine_spec(device)
+            max_sessions = spec.max_slots
+            factory = functools.partial(engine_factory, spec)
             scheduler = TickScheduler(factory, policy=settings.tick_policy_object(),
                                       silence_grace_s=settings.silence_grace_s, warmup_frames=settings.warmup_frames,
                                       metrics=metrics, device=label, concurrent_joins=settings.concurrent_joins,

@@ -76,7 +76,7 @@ class Services:
         self.speaks_for_server = self.in_process
         if self.in_process:
             if engine_factory is None:
-                from engines.runtime.factory import create_engine as engine_factory  # torch: only for in-process engines
+                from engines.runtime.factory import build_engine as engine_factory  # torch: only for in-process engines
             factory = with_fault_injection(engine_factory, settings.fault_injection)
             self.metrics = Metrics()
             self.pool = EnginePool.build(settings, factory, self.metrics, self._on_stall)
