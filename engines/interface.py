@@ -12,14 +12,11 @@ of 1920 samples; format conversion and resampling happen in the orchestrator.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Generator, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Generator, Protocol, Sequence, TypeVar
 
 import numpy as np
 
 from engines.config import DEFAULT_PERSONA, DEFAULT_VOICE, FRAME_SAMPLES, SAMPLE_RATE
-
-if TYPE_CHECKING:  # voices.py needs torch; this module stays importable without it
-    from engines.checkpoints.voices import VoiceStore
 
 T = TypeVar("T")
 
@@ -206,9 +203,22 @@ class EngineInfo:
     frame_samples: int = FRAME_SAMPLES
 
 
+class VoiceCatalog(Protocol):
+    """The voices an engine serves, as its callers use them (``engines.checkpoints.voices``
+    has the store; the factory adds an operator's directory, the offline tool one voice)."""
+
+    def names(self) -> list[str]: ...
+
+    def check(self, name: str) -> None: ...
+
+    def add_directory(self, directory: Any) -> list[str]: ...
+
+    def register(self, name: str, data: dict) -> None: ...
+
+
 class Engine(Protocol):
     info: EngineInfo
-    voice_store: VoiceStore  # the voices it serves (the factory adds an operator's directory)
+    voice_store: VoiceCatalog  # the voices it serves
 
     def voices(self) -> list[str]:
         """Names of the voices a session may ask for (e.g. ``"NATF2.pt"``)."""

@@ -224,3 +224,44 @@ def test_the_front_end_reaches_engines_through_the_port():
     assert {m: t for m, t in reached.items() if t and t != PAST_THE_PORT.get(m)} == {}
     for session_module in ("session", "native_session", "session_core", "engine_link"):
         assert "orchestrator.engine_port" in graph[f"orchestrator.frontend.{session_module}"]
+
+
+# The engine's layers (docs/ARCHITECTURE.md, "Files"): the torch-free API; the compute layer
+# (the model, the per-slot state it runs over, and the fast paths that replace parts of both:
+# they import each other); above them checkpoints, runtime, export, tools.
+ENGINE_API_LAYER = ("engines", "engines.config", "engines.errors", "engines.interface", "engines.progress",
+                    "engines.audio_io", "engines.spec")
+COMPUTE_LAYER = ("engines.model", "engines.state", "engines.fastpath")
+# Checkpoint modules that build engines, and so reach the runtime (the demo checkpoint makes its
+# voices with the engine; random weights are built into one).
+CHECKPOINT_BUILDERS = {"engines.checkpoints.tiny", "engines.checkpoints.random_model"}
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    found = {}
+    for module, targets in graph.items():
+        if module in ENGINE_API_LAYER:
+            allowed = ENGINE_API_LAYER + ("engines.checkpoints.random_weights", "engines.checkpoints.hub",
+                                          "engines.checkpoints.weights_format", "engines.checkpoints")
+        elif module.startswith(tuple(m + "." for m in COMPUTE_LAYER)):
+            allowed = ENGINE_API_LAYER + COMPUTE_LAYER
+        elif module.startswith("engines.checkpoints.") and module not in CHECKPOINT_BUILDERS:
+            allowed = ENGINE_API_LAYER + COMPUTE_LAYER + ("engines.checkpoints",)
+        else:
+            continue
+        bad = {t for t in targets if t.startswith("engines") and not any(t == a or t.startswith(a + ".")
+                                                                          for a in allowed if a != "engines")
+               and t != "engines"}
+        if bad:
+            found[module] = bad
+    return found
+
+
+def test_the_engines_layers_import_downwards():
+    assert _layer_violations(import_graph()) == {}
+
+
+def test_the_layer_check_finds_a_compute_module_reaching_up():
+    graph = import_graph()
+    graph["engines.model.prefill"] = graph["engines.model.prefill"] | {"engines.checkpoints.voices"}
+    assert _layer_violations(graph) == {"engines.model.prefill": {"engines.checkpoints.voices"}}

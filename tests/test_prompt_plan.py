@@ -7,7 +7,7 @@ import torch
 
 from engines.config import LMConfig
 from engines.model.prefill import plan_prompt, plan_prompt_by_replay
-from engines.checkpoints.voices import VoicePrompt
+from engines.model.prefill import VoicePrompt
 
 
 @pytest.mark.parametrize("voice_frames", [None, 1, 2, 3, 4, 5, 7, 60])

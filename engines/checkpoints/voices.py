@@ -15,7 +15,6 @@ import io
 import logging
 import tarfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -25,20 +24,9 @@ import torch
 from engines.audio_io import frames_of, normalize_loudness
 from engines.errors import AudioInputError, CheckpointError
 from engines.interface import InvalidSessionSpec, PrefillUnavailable, check_voice_name, shown
+from engines.model.prefill import VoicePrompt
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class VoicePrompt:
-    name: str
-    embeddings: torch.Tensor  # [N-1, D], one row per replayed model call
-    cache: torch.Tensor  # [17, 4] int64 token ring after the voice frames
-
-    @property
-    def frames(self) -> int:
-        """N: voice frames, including the first one whose call makes no model call."""
-        return self.embeddings.shape[0] + 1
 
 
 def parse_voice_file(data: dict, dim: int, num_streams: int, source: str) -> tuple[torch.Tensor, torch.Tensor]:

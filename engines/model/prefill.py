@@ -28,7 +28,20 @@ from engines.model.lm import MoshiLM
 from engines.interface import WAITING, Pieces, to_completion
 from engines.state.prompt_kv import PromptKV
 from engines.state.token_state import TokenState
-from engines.checkpoints.voices import VoicePrompt
+
+
+@dataclass(frozen=True)
+class VoicePrompt:
+    """A voice as a prompt replays it (``engines.checkpoints.voices`` reads and builds them)."""
+
+    name: str
+    embeddings: torch.Tensor  # [N-1, D], one row per replayed model call
+    cache: torch.Tensor  # [17, 4] int64 token ring after the voice frames
+
+    @property
+    def frames(self) -> int:
+        """N: voice frames, including the first one whose call makes no model call."""
+        return self.embeddings.shape[0] + 1
 
 
 @dataclass(frozen=True)

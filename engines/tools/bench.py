@@ -35,9 +35,9 @@ from engines.config import FRAME_SAMPLES, LMConfig
 from engines.spec import MemorySettings
 from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
 from engines.interface import SamplingParams, SessionSpec, to_completion
-from engines.model.prefill import Prefill, build_prefill
+from engines.model.prefill import Prefill, VoicePrompt, build_prefill
 from engines.checkpoints.random_model import build_random_engine, fill_random_
-from engines.checkpoints.voices import VoicePrompt, random_voice_data
+from engines.checkpoints.voices import random_voice_data
 
 log = logging.getLogger("engines.tools.bench")
 
