@@ -326,7 +326,8 @@ def test_random_voices_have_the_model_width():
 # Placement and metrics units ---------------------------------------------------------------------
 
 class FakeScheduler:
-    """What a DeviceEngine reads of its scheduler, set by hand."""
+    """An ``EnginePort`` whose state is set by hand (what a DeviceEngine reads of it); its
+    commands are not used here."""
 
     def __init__(self, state: str, device: str) -> None:
         self.device = device
@@ -335,10 +336,52 @@ class FakeScheduler:
             self.ready.set()
         self.load_error = RuntimeError("out of memory") if state == "failed" else None
         self.alive = state != "failed"
+        self.is_ready = state == "ready"
         self.busy = None
         self.failed_ticks_in_row = 0
         self.info = None
+        self.voices = ()
+        self.memory_plan = None
         self.slots_taken = 0  # the engine's own count, which admission never goes below
+
+    def loading_status(self):
+        return None
+
+    def start(self, deliver): ...
+
+    def request_stop(self): ...
+
+    def stop(self, timeout=0.0): ...
+
+    def open(self, key, spec): raise AssertionError("not used")
+
+    def close(self, key): raise AssertionError("not used")
+
+    def restart(self, key, epoch): ...
+
+    def push(self, key, epoch, frames): ...
+
+    def drop_pending(self, key): ...
+
+    def pending(self, key):
+        return 0
+
+
+def test_both_layouts_and_the_test_fake_are_engine_ports():
+    """Every member of ``EnginePort`` is there on the in-process scheduler, the engine
+    process's link and this file's fake (the Protocol is for type checkers; this checks it
+    where the tests run)."""
+    from orchestrator.engine_port import EnginePort
+    from orchestrator.frontend.engine_link import EngineLink
+    from orchestrator.lockstep.scheduler import TickScheduler
+    from orchestrator.lockstep.tick_policy import WindowPolicy
+
+    members = set(EnginePort.__annotations__) | {name for name in vars(EnginePort) if not name.startswith("_")}
+    scheduler = TickScheduler(lambda: None, policy=WindowPolicy(0.02), silence_grace_s=0, warmup_frames=0,
+                              metrics=Metrics())
+    link = EngineLink(0, "cuda:0", "ipc:///nonexistent")
+    for port in (scheduler, link, FakeScheduler("ready", "cpu")):
+        assert {m for m in members if not hasattr(port, m)} == set(), type(port).__name__
 
 
 def make_pool(states: list[str], free: list[int], capacity: int = 2) -> EnginePool:
