@@ -7,9 +7,9 @@ at the 7B shapes in bf16) and the temporaries that install it.  Sized by windows
 H200 at 152 slots had 0.5 GiB left and every join with a long persona failed (issue 34).  So
 the engine plans for the worst case an admitted session may bring, item by item:
 
-- ``not_ours``: what the device holds before the engine loads (the CUDA context, other
-  processes), measured;
-- ``weights``: the model's weights and fixed buffers, measured once loaded;
+- ``not_ours``: what the device holds beside the engine's allocator (the CUDA context, other
+  processes), measured before the engine loads and again once its graphs are captured;
+- ``weights``: the model's weights and fixed buffers, computed from the loaded modules;
 - ``sessions``: ``per_session`` x (sessions + the scratch slot), computed from the slot
   state's own tensors (KV window, token ring, Mimi's streaming state, sampling settings);
 - ``graphs``: CUDA graph pools, workspaces and what the allocator keeps beside them, estimated
@@ -30,11 +30,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engines.errors import MemoryPlanError
-
 from engines.spec import GIB
-# Sessions ``auto`` never goes past: the largest tick-graph bucket (more would tick eagerly).
+
+# Sessions ``auto`` never goes past: the largest tick-graph bucket.
 AUTO_MAX_SESSIONS = 160
-ITEM_ORDER = ("not_ours", "weights", "graphs", "joins", "prefill_cache", "margin")
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,7 @@ class MemoryPlan:
     device_bytes: int  # what the plan may use: the device's memory, or the configured limit
     sessions: int  # admitted sessions (the engine has one scratch slot more)
     per_session: int  # bytes of one slot's state
-    items: tuple[PlanItem, ...]  # everything but the sessions, in ITEM_ORDER
+    items: tuple[PlanItem, ...]  # everything but the sessions, in the order the module doc lists them
     stage: str = "estimate"  # "estimate" (before allocating) or "measured" (after the dry run)
     auto: bool = False  # the sessions are the most that fit (not asked for)
 

@@ -3,8 +3,8 @@
 What one slot's state costs is computed from the state classes themselves, built for one slot
 on the meta device (no memory is allocated), so the figure is exact and known before the
 engine allocates its slots.  What a join costs at peak is measured by a dry run of the longest
-prompt at start-up (``measure_join``), and what the graphs took by the allocator's counters
-once they are captured.
+prompt at start-up, and what the graphs took by the allocator's counters once they are
+captured (``measure``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 
 from engines.config import AUDIO_SILENCE_FRAMES, LMConfig
 from engines.errors import MemoryPlanError
-from engines.runtime.memory_plan import GIB, MemoryPlan, PlanItem
+from engines.runtime.memory_plan import MemoryPlan, PlanItem
+from engines.spec import GIB
 from engines.state.kv_ring import SlotKVRing
 
 log = logging.getLogger(__name__)

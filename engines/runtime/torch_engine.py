@@ -119,7 +119,7 @@ def plan_slots(lm: MoshiLM, mimi_cfg, num_slots: int | None, options: EngineOpti
     """The slots to allocate and the memory plan behind them (None where none is made: planning
     off, or on CPU without a memory limit), once ``lm`` is loaded and before the slots are
     allocated; ``num_slots`` None: the most that fit.  ``held_before``: the device's (free,
-    total) before the engine loaded anything (``memory_probe.device_memory``).  Logs the plan;
+    total) before the engine loaded anything (``memory_probe.held_before``).  Logs the plan;
     ``MemoryPlanError`` if ``num_slots`` does not fit."""
     memory = options.memory
     if not memory.enabled or (lm.device.type != "cuda" and memory.limit_bytes is None):

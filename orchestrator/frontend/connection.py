@@ -117,7 +117,7 @@ class Connection:
             try:
                 message = await self._receive_before(deadline)
             except InboundOverflow as exc:
-                await self._refuse(_inbound_error(exc))
+                await self._refuse(exc.client_error())
                 return None
             if message is _SHUTDOWN:
                 self.services.metrics.inc("connections_refused", "shutdown")
@@ -240,7 +240,7 @@ class Connection:
                     try:
                         message = done.result()
                     except InboundOverflow as exc:
-                        session.emit_error(_inbound_error(exc))
+                        session.emit_error(exc.client_error())
                         return "input_backpressure"
                     finally:
                         del done
@@ -321,10 +321,6 @@ class Connection:
 
     async def _close_socket(self, code: int, reason: str) -> None:
         await close_socket(self.ws, code, reason, self.settings.close_timeout_s)
-
-
-def _inbound_error(exc: InboundOverflow) -> ProtocolError:
-    return ProtocolError("input_backpressure", f"{exc}; send events no faster than the server reads them")
 
 
 def _size(message: Any) -> int:

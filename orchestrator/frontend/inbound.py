@@ -24,6 +24,7 @@ import logging
 from collections import deque
 from typing import Any
 
+from ..protocol.errors import ProtocolError
 from ..protocol.held_bytes import ITEM_BYTES, held_bytes
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ class InboundOverflow(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(f"more than {limit} bytes of client messages were waiting to be read")
         self.limit = limit
+
+    def client_error(self) -> ProtocolError:
+        """What the client is told, on either route, before the connection ends."""
+        return ProtocolError("input_backpressure", f"{self}; send messages no faster than the server reads them")
 
 
 class InboundQueue:

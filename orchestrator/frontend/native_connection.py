@@ -133,7 +133,7 @@ class NativeConnection:
                     try:
                         message = done.result()
                     except InboundOverflow as exc:
-                        session.emit_error(ProtocolError("input_backpressure", str(exc)))
+                        session.emit_error(exc.client_error())
                         return "input_backpressure"
                     finally:
                         del done
