@@ -1,15 +1,16 @@
 """The front end's one view of an engine: the messages a lockstep hands back, and the interface
-both engine layouts offer (issue 35, step 1).
+the front end uses of an engine.
 
-An engine runs either as a thread of this process (``lockstep.scheduler.TickScheduler``) or in
-an engine process reached over IPC (``frontend.engine_link.EngineLink``).  Sessions, the engine
-pool and the watchdog hold an ``EnginePort`` and never ask which.  What a tick gives back is a
-``FrameResult`` per lane (or a ``FrameFailure``), the same objects in both layouts;
-``ipc/wire.py`` encodes exactly these types.  Torch-free.
+Every engine runs in an engine process of its own (``engine_host/``), and a front-end worker
+reaches it over IPC through an ``EnginePort``: ``frontend.engine_link.EngineLink`` is the one
+the server uses, the tests' fakes are others.  Sessions, the engine pool and the watchdog hold
+an ``EnginePort``.  What a tick gives back is a ``FrameResult`` per lane (or a
+``FrameFailure``); ``ipc/wire.py`` encodes exactly these types.  Torch-free.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 from dataclasses import dataclass
@@ -56,9 +57,11 @@ class EngineCall:
 
 
 class EnginePort(Protocol):
-    """What the front end uses of an engine, in either layout.  Commands never block on the
-    engine: they return futures or queue work."""
+    """What the front end uses of an engine.  Commands never block on the engine: they return
+    futures or queue work.  The state is the engine's as last heard (a heartbeat old at most);
+    the engine admits or refuses each open itself, for every worker of the server."""
 
+    device: str  # the engine's device label ("cuda:0"; "cpu#1" when a device serves twice)
     ready: threading.Event  # set once the engine has loaded (or failed to)
     load_error: BaseException | None
     info: EngineInfo | None
@@ -66,6 +69,11 @@ class EnginePort(Protocol):
     busy: EngineCall | None
     failed_ticks_in_row: int
     memory_plan: dict[str, Any] | None  # the engine's measured memory plan, once loaded
+    engine_pid: int | None  # the engine process (None while it is not answering)
+    max_sessions: int | None  # the engine's capacity (None until it has said; 0 while an auto plan loads)
+    held: int  # sessions the engine has admitted, from every worker
+    sessions_by_worker: dict[int, int]  # worker pid -> its sessions on this engine
+    first_status: asyncio.Event  # set once the engine has first answered (its capacity is known)
 
     @property
     def is_ready(self) -> bool: ...
@@ -93,3 +101,6 @@ class EnginePort(Protocol):
     def pending(self, key: str) -> int: ...
 
     def loading_status(self) -> dict[str, Any] | None: ...
+
+    async def refresh(self) -> None:
+        """Ask the engine for its state now (a request's answer is then exact)."""

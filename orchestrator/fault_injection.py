@@ -1,4 +1,5 @@
-"""Fault injection for tests and drills: an engine wrapper that fails chosen sessions' steps.
+"""Fault injection for tests and drills: an engine wrapper that fails chosen sessions' steps,
+and loads that fail or take long on a chosen device.
 
 ``PERSONAPLEX_FAULT_INJECTION`` holds one or more plans separated by ``;``, each a list of
 ``key=value`` pairs separated by ``,``::
@@ -18,6 +19,9 @@
   keeps: the engine lost a slot, as a failed install once did), ``oom_open`` (the open fails
   as the GPU's allocator fails, torch's ``OutOfMemoryError`` with its words, before the slot
   is taken);
+- ``device`` with ``mode`` ``fail_load`` (the engine of that device label, e.g. ``cpu#0``,
+  fails to load, worded as a CUDA allocation failure) or ``slow_load`` (its load takes
+  ``seconds`` longer): ``device=cpu#0,mode=fail_load``; such a plan names no persona;
 - ``after``: fire on the victim slot's N-th step since it was opened (default 5), then every
   ``after`` steps, ``times`` times in all (default 1; 0 = no limit).
 
@@ -39,7 +43,9 @@ from engines.interface import Engine, EngineError, FrameOutput, SessionSpec, Slo
 
 log = logging.getLogger(__name__)
 
-MODES = ("slot", "slot_early", "batch", "hang", "restart", "slow_open", "leak_open", "oom_open")
+SESSION_MODES = ("slot", "slot_early", "batch", "hang", "restart", "slow_open", "leak_open", "oom_open")
+LOAD_MODES = ("fail_load", "slow_load")
+MODES = SESSION_MODES + LOAD_MODES
 
 
 class FaultPlanError(ValueError):
@@ -48,11 +54,12 @@ class FaultPlanError(ValueError):
 
 @dataclass(frozen=True)
 class FaultPlan:
-    persona: str
+    persona: str  # "" for a load plan
     mode: str
     after: int = 5
     times: int = 1
     seconds: float = 2.0
+    device: str = ""  # a load plan's device label
 
     @classmethod
     def parse_all(cls, text: str) -> list[FaultPlan]:
@@ -69,14 +76,19 @@ class FaultPlan:
             if not sep or not key.strip():
                 raise FaultPlanError(f"fault plan item {item.strip()!r} is not key=value")
             fields[key.strip()] = value.strip()
-        unknown = set(fields) - {"persona", "mode", "after", "times", "seconds"}
+        unknown = set(fields) - {"persona", "mode", "after", "times", "seconds", "device"}
         if unknown:
             raise FaultPlanError(f"unknown fault plan keys: {', '.join(sorted(unknown))}")
-        if not fields.get("persona") or fields.get("mode") not in MODES:
-            raise FaultPlanError(f"a fault plan needs persona=<text> and mode=<{'|'.join(MODES)}>: {text.strip()!r}")
+        mode = fields.get("mode")
+        if mode in LOAD_MODES:
+            if not fields.get("device") or "persona" in fields:
+                raise FaultPlanError(f"a load fault plan needs device=<label> and no persona: {text.strip()!r}")
+        elif not fields.get("persona") or mode not in SESSION_MODES or "device" in fields:
+            raise FaultPlanError(f"a fault plan needs persona=<text> and mode=<{'|'.join(SESSION_MODES)}>, or "
+                                 f"device=<label> and mode=<{'|'.join(LOAD_MODES)}>: {text.strip()!r}")
         try:
-            plan = cls(fields["persona"], fields["mode"], int(fields.get("after", 5)), int(fields.get("times", 1)),
-                       float(fields.get("seconds", 2.0)))
+            plan = cls(fields.get("persona", ""), mode, int(fields.get("after", 5)), int(fields.get("times", 1)),
+                       float(fields.get("seconds", 2.0)), fields.get("device", ""))
         except ValueError as exc:
             raise FaultPlanError(f"fault plan {text.strip()!r}: {exc}") from None
         if plan.after < 1 or plan.times < 0 or plan.seconds < 0:
@@ -108,7 +120,7 @@ class FaultyEngine:
 
     def __init__(self, inner: Engine, plans: Sequence[FaultPlan]) -> None:
         self.inner = inner
-        self.plans = list(plans)
+        self.plans = [plan for plan in plans if plan.mode in SESSION_MODES]
         self.injected = 0  # faults fired so far
         self._victims: dict[int, _Victim] = {}
         log.warning("FAULT INJECTION is on (testing only): %s", "; ".join(map(str, self.plans)))
@@ -189,8 +201,9 @@ class FaultyEngine:
         log.warning("injected fault #%d: mode=%s slot=%d", self.injected, plan.mode, slot)
 
 
-def with_fault_injection(factory: Callable[..., Engine], spec: str | None) -> Callable[..., Engine]:
-    """The engine factory as is, or (testing only) one whose engines fail on purpose."""
+def with_fault_injection(factory: Callable[..., Engine], spec: str | None, device: str = "") -> Callable[..., Engine]:
+    """The engine factory as is, or (testing only) one whose engines fail on purpose;
+    ``device``: the label of the device the engines are built for (load plans name it)."""
     if not spec:
         return factory
     from .settings import SettingsError, env_name
@@ -199,4 +212,15 @@ def with_fault_injection(factory: Callable[..., Engine], spec: str | None) -> Ca
         plans = FaultPlan.parse_all(spec)
     except FaultPlanError as exc:
         raise SettingsError(f"{env_name('fault_injection')}: {exc}") from None
-    return lambda *args, **kwargs: FaultyEngine(factory(*args, **kwargs), plans)
+    loads = [plan for plan in plans if plan.mode in LOAD_MODES and plan.device == device]
+
+    def build(*args: Any, **kwargs: Any) -> Engine:
+        for plan in loads:
+            log.warning("injected fault: mode=%s device=%s", plan.mode, device)
+            if plan.mode == "fail_load":
+                raise RuntimeError("CUDA error: out of memory (injected fault)")
+            time.sleep(plan.seconds)
+        engine = factory(*args, **kwargs)
+        return FaultyEngine(engine, plans) if any(plan.mode in SESSION_MODES for plan in plans) else engine
+
+    return build

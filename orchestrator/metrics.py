@@ -8,8 +8,8 @@ is made for that: each process writes its own values to files in the server's ru
 every worker knows alike (admission, readiness and state per device, from the engines'
 heartbeats) is read at scrape time from that worker's own view (``gauges``).
 
-With the engines as threads of one process (``engine_host=thread``, and the tests' in-process
-servers) each ``Metrics`` has its own registry in memory, and nothing is written to disk.
+Without a directory (unit tests, tools that drive a scheduler themselves) each ``Metrics`` has
+its own registry in memory, and nothing is written to disk.
 
 The multiprocess directory must be known before ``prometheus_client`` is first imported in a
 process (it picks its value store then): ``Metrics(multiprocess_dir=...)`` sets it, and

@@ -45,7 +45,10 @@ AUTO_SETTINGS = ("max_sessions",)
 
 
 AUTH_MODES = ("auto", "required", "off")
-ENGINE_HOSTS = ("process", "thread")
+# Settings that are gone, with what an operator who still sets one should know.
+REMOVED_SETTINGS = {
+    "engine_host": "every engine runs in an engine process of its own (the in-process 'thread' layout is gone)",
+}
 REFUSE_WHEN_FULL_MODES = ("event", "http")
 OPUS_CODECS = ("auto", "libopus", "sphn")
 
@@ -111,11 +114,6 @@ class Settings:
     # refused (resource_exhausted, retryable) without allocating.
     concurrent_joins: int = 1
     join_wait_s: float = 30.0
-    # Where the engines run: "process" = one engine process per device, started (and
-    # restarted) by this server's engine host; the front-end workers (hypercorn --workers K)
-    # reach them over IPC and share their admission.  "thread" = the engines run as threads
-    # of this one process (one worker only: K > 1 would give each worker its own engines).
-    engine_host: str = "process"
     # The directory where one server's processes meet (sockets, settings, metrics); None = a
     # directory per server under $XDG_RUNTIME_DIR or the temp dir (orchestrator/ipc/endpoints.py).
     run_dir: str | None = None
@@ -207,9 +205,6 @@ class Settings:
             positive(name)
         for name in ("batch_window_ms", "silence_grace_s", "warmup_frames"):
             positive(name, allow_zero=True)
-        if self.engine_host not in ENGINE_HOSTS:
-            raise SettingsError(f"{env_name('engine_host')} must be one of {', '.join(ENGINE_HOSTS)}, "
-                                f"got {self.engine_host!r}")
         if self.tick_policy not in POLICIES:
             raise SettingsError(f"{env_name('tick_policy')} must be one of {', '.join(POLICIES)}, "
                                 f"got {self.tick_policy!r}")
@@ -309,6 +304,8 @@ class Settings:
             name = key[len(ENV_PREFIX):].lower()
             if name in known:
                 values[name] = raw
+            elif name in REMOVED_SETTINGS:
+                log.warning("ignoring %s: %s", key, REMOVED_SETTINGS[name])
             elif not name.startswith(("cache_dir", "test_")):  # the engine's and the tests' own
                 log.warning("ignoring %s: not a server setting (known: %s)", key,
                             ", ".join(env_name(n) for n in sorted(known)))
@@ -320,6 +317,8 @@ class Settings:
         by_name = {f.name: f for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         for name, raw in values.items():
+            if name in REMOVED_SETTINGS:
+                raise SettingsError(f"setting {name!r} is gone: {REMOVED_SETTINGS[name]}")
             if name not in by_name:
                 raise SettingsError(f"unknown setting {name!r}; known: {', '.join(sorted(by_name))}")
             kwargs[name] = _coerce(name, by_name[name].type, raw)

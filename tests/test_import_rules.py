@@ -205,13 +205,9 @@ def test_every_import_in_the_tree_resolves():
     assert unresolved_imports() == []
 
 
-# Front-end modules that still reach past the engine port, and why (issue 35: the in-process
-# layout goes in a later step, and with it these).
+# Front-end modules that reach past the engine port, and why.
 PAST_THE_PORT = {
-    "orchestrator.frontend.engine_pool": {"orchestrator.lockstep.scheduler",  # builds the in-process layout
-                                          "orchestrator.lockstep.watchdog"},
     "orchestrator.frontend.services": {"orchestrator.engine_host.launch"},  # starts the engine host
-    "orchestrator.frontend.codec_threads": {"orchestrator.lockstep.scheduler"},  # name_os_thread
 }
 
 

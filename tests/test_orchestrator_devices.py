@@ -325,11 +325,11 @@ def test_random_voices_have_the_model_width():
 
 # Placement and metrics units ---------------------------------------------------------------------
 
-class FakeScheduler:
+class FakePort:
     """An ``EnginePort`` whose state is set by hand (what a DeviceEngine reads of it); its
     commands are not used here."""
 
-    def __init__(self, state: str, device: str) -> None:
+    def __init__(self, state: str, device: str, capacity: int = 2, held: int = 0) -> None:
         self.device = device
         self.ready = threading.Event()
         if state != "loading":
@@ -342,10 +342,16 @@ class FakeScheduler:
         self.info = None
         self.voices = ()
         self.memory_plan = None
-        self.slots_taken = 0  # the engine's own count, which admission never goes below
+        self.engine_pid = 4242
+        self.max_sessions = capacity
+        self.held = held  # admitted by the engine, every worker's
+        self.sessions_by_worker = {}
+        self.first_status = asyncio.Event()
 
     def loading_status(self):
         return None
+
+    async def refresh(self): ...
 
     def start(self, deliver): ...
 
@@ -367,33 +373,26 @@ class FakeScheduler:
         return 0
 
 
-def test_both_layouts_and_the_test_fake_are_engine_ports():
-    """Every member of ``EnginePort`` is there on the in-process scheduler, the engine
-    process's link and this file's fake (the Protocol is for type checkers; this checks it
-    where the tests run)."""
+def test_the_link_and_the_test_fake_are_engine_ports():
+    """Every member of ``EnginePort`` is there on the engine process's link and this file's
+    fake (the Protocol is for type checkers; this checks it where the tests run)."""
     from orchestrator.engine_port import EnginePort
     from orchestrator.frontend.engine_link import EngineLink
-    from orchestrator.lockstep.scheduler import TickScheduler
-    from orchestrator.lockstep.tick_policy import WindowPolicy
 
     members = set(EnginePort.__annotations__) | {name for name in vars(EnginePort) if not name.startswith("_")}
-    scheduler = TickScheduler(lambda: None, policy=WindowPolicy(0.02), silence_grace_s=0, warmup_frames=0,
-                              metrics=Metrics())
     link = EngineLink(0, "cuda:0", "ipc:///nonexistent")
-    for port in (scheduler, link, FakeScheduler("ready", "cpu")):
+    for port in (link, FakePort("ready", "cpu")):
         assert {m for m in members if not hasattr(port, m)} == set(), type(port).__name__
 
 
 def make_pool(states: list[str], free: list[int], capacity: int = 2) -> EnginePool:
     engines = []
     for index, state in enumerate(states):
-        scheduler = FakeScheduler(state, f"cuda:{index}")
-        engine = DeviceEngine(index, scheduler.device, capacity, scheduler, watchdog_deadline_s=1.0,
-                              metrics=Metrics(), on_stall=lambda *args: None)
-        for _ in range(capacity - free[index]):
-            engine.admission.try_acquire()
+        port = FakePort(state, f"cuda:{index}", capacity, held=capacity - free[index])
+        engine = DeviceEngine(index, port.device, port, watchdog_deadline_s=1.0, metrics=Metrics(),
+                              on_stall=lambda *args: None)
         if state == "stalled":  # a tick running for 5 s, past the 1 s deadline
-            scheduler.busy = EngineCall("tick", time.monotonic() - 5.0, 1)
+            port.busy = EngineCall("tick", time.monotonic() - 5.0, 1)
             engine.watchdog.check()
         engines.append(engine)
     return EnginePool(engines)
@@ -403,14 +402,15 @@ def test_placement_prefers_serving_engines_with_most_free_slots():
     pool = make_pool(["loading", "ready", "ready", "stalled", "failed"], free=[2, 1, 2, 2, 2])
     assert [e.state for e in pool.engines] == ["loading", "ready", "ready", "stalled", "failed"]
     assert pool.choose().label == "cuda:2"
-    assert pool.acquire().label == "cuda:2"  # now 1 free on both ready ones: the lower index
-    assert pool.acquire().label == "cuda:1"
-    assert pool.acquire().label == "cuda:2"
-    assert pool.acquire().label == "cuda:0"  # the ready ones are full: the loading one waits its load
-    assert pool.acquire().label == "cuda:0"
+    pool.engines[2].port.held = 1  # now 1 free on both ready ones: the lower index
+    assert pool.choose().label == "cuda:1"
+    pool.engines[1].port.held = pool.engines[2].port.held = 2  # the ready ones are full: the loading one
+    assert pool.choose().label == "cuda:0"
+    pool.engines[0].port.held = 2
     assert pool.choose() is None and pool.unavailable() is None
-    with pytest.raises(RuntimeError):
-        pool.acquire()
+    assert pool.choose(at_open=True).label == "cuda:1"  # at an open: the serving ones are asked anyway
+    assert pool.choose(at_open=True, exclude=pool.engines[1:3]).label == "cuda:0"  # they refused: the loading one
+    assert pool.choose(at_open=True, exclude=pool.engines[:3]) is None  # never a stalled or failed one
 
 
 def test_no_serving_engine_is_reported_per_device():
@@ -456,86 +456,62 @@ def test_per_device_metrics_exposition():
 
 
 def test_one_failed_engine_leaves_the_server_healthy_and_serving():
-    """In process: the first engine built fails to load, the second serves.  /health stays 200
-    with the failed device in its detail, /ready is 200, placement skips the failed engine,
-    and the full refusal counts the whole capacity."""
-    from engines.runtime.factory import build_engine
-    from orchestrator.frontend.services import Services
+    """The engine of cpu#0 fails to load, cpu#1 serves.  /health stays 200 with the failed
+    device in its detail, /ready is 200, a session opens on cpu#1, and the full refusal counts
+    the whole capacity."""
+    server = Server(devices="cpu,cpu", max_sessions=1, silence_grace_s=0, fault_injection="device=cpu#0,mode=fail_load")
+    try:
+        status, health = server.get("/health")
+        assert status == 200 and health["status"] == "healthy"
+        assert health["devices"][0]["device"] == "cpu#0" and health["devices"][0]["status"] == "unhealthy"
+        assert health["devices"][0]["reason"].startswith("the model failed to load")
+        assert health["devices"][1] == {"device": "cpu#1", "status": "healthy"}
+        status, ready = server.get("/ready?require_free_slot=1")
+        assert status == 200 and [d["state"] for d in ready["devices"]] == ["failed", "ready"]
 
-    def factory(spec):
-        # The engines load on their own threads in either order: fail cpu#0's by its thread.
-        if threading.current_thread().name.endswith("cpu#0"):
-            raise RuntimeError("CUDA error: out of memory (injected)")
-        return build_engine(spec)
+        async def scenario():
+            client, session_id = await open_client(server)
+            assert placed_on(server, session_id) == "cpu#1"
+            status, body = server.get("/ready?require_free_slot=1")
+            assert (status, body["reason"]) == (503, "full")
+            refused = await Client.connect(server.ws + "/v1/realtime")
+            await refused.send({"type": "session.update", "session": {}})
+            error = (await refused.next("error"))["error"]
+            assert (error["code"], error["message"]) == ("resource_exhausted",
+                                                         "duplex_session_capacity_exhausted: limit=2")
+            await client.close()
 
-    async def scenario():
-        services = Services(Settings(devices=("cpu", "cpu"), max_sessions=1, auth="off", warmup_frames=0), factory)
-        services.start()
-        try:
-            for _ in range(600):
-                if not services.pool.loading:
-                    break
-                await asyncio.sleep(0.05)
-            assert [e.state for e in services.pool.engines] == ["failed", "ready"]
-            status, health = services.health()
-            assert status == 200 and health["status"] == "healthy"
-            assert health["devices"][0] == {"device": "cpu#0", "status": "unhealthy",
-                                            "reason": "the model failed to load: CUDA error: out of memory (injected)"}
-            assert health["devices"][1] == {"device": "cpu#1", "status": "healthy"}
-            status, ready = services.readiness(require_free_slot=True)
-            assert status == 200 and [d["state"] for d in ready["devices"]] == ["failed", "ready"]
-            assert services.place_session().label == "cpu#1"
-            error, reason = services.open_refusal()
-            assert (error.code, error.message, reason) == (
-                "resource_exhausted", "duplex_session_capacity_exhausted: limit=2", "full")
-            assert services.readiness(require_free_slot=True)[1]["reason"] == "full"
-        finally:
-            services.stop()
-
-    asyncio.run(scenario())
+        run(scenario())
+    finally:
+        server.stop()
 
 
 def test_no_session_starts_while_another_engine_is_still_loading():
-    """In process: engine cpu#0 loads at once, cpu#1 is held in its load.  /ready stays 503
-    "loading" and a session placed on the ready engine does not open until cpu#1 is done
-    (an engine still compiling would take the interpreter from the other's ticks)."""
-    from engines.runtime.factory import build_engine
-    from engines.interface import SessionSpec
-    from orchestrator.frontend.services import Services
+    """cpu#0 loads at once, cpu#1 takes 10 s longer.  /ready stays 503 "loading", and a session
+    asked for meanwhile opens on cpu#0 only once cpu#1 is done (an engine still compiling
+    would take the CPU from the other's ticks)."""
+    server = Server(devices="cpu,cpu", max_sessions=1, silence_grace_s=0, wait_ready=False,
+                    fault_injection="device=cpu#1,mode=slow_load,seconds=10")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            status, ready = server.get("/ready")
+            if [d["state"] for d in ready["devices"]] == ["ready", "loading"]:
+                break
+            assert time.monotonic() < deadline and status == 503, ready
+            time.sleep(0.05)
+        assert (status, ready["reason"]) == (503, "loading")
 
-    release = threading.Event()
+        async def scenario():
+            client = await Client.connect(server.ws + "/v1/realtime")
+            session_id = (await client.open(open_timeout_s=60, instructions=PERSONA, temperature=0))["id"]
+            # Opened only now: cpu#1 has finished loading by the time the client hears of it.
+            states = [d["state"] for d in server.get("/ready")[1]["devices"]]
+            assert states == ["ready", "ready"], states
+            assert placed_on(server, session_id) == "cpu#0"
+            await client.close()
 
-    def factory(spec):
-        engine = build_engine(spec)
-        # The engines load on their own threads in either order: hold the one of cpu#1 by its
-        # thread's name, not by call order.
-        if threading.current_thread().name.endswith("cpu#1"):
-            assert release.wait(60)
-        return engine
-
-    async def scenario():
-        services = Services(Settings(devices=("cpu", "cpu"), max_sessions=1, auth="off", warmup_frames=0), factory)
-        services.start()
-        try:
-            for _ in range(600):
-                if services.pool.engines[0].serving:
-                    break
-                await asyncio.sleep(0.05)
-            assert [e.state for e in services.pool.engines] == ["ready", "loading"]
-            status, ready = services.readiness()
-            assert (status, ready["reason"]) == (503, "loading")
-            engine = services.place_session()
-            assert engine.label == "cpu#0"
-            waiting = asyncio.ensure_future(services.pool.wait_ready(engine, 30))
-            await asyncio.sleep(0.5)
-            assert not waiting.done()  # its own engine is ready, but start-up is not over
-            release.set()
-            await asyncio.wait_for(waiting, 30)
-            await asyncio.wrap_future(engine.open("s1", SessionSpec()))
-            assert services.readiness()[0] == 200
-            await asyncio.wrap_future(engine.close("s1"))
-        finally:
-            release.set()
-            services.stop()
-
-    asyncio.run(scenario())
+        run(scenario())
+        assert server.get("/ready")[0] == 200
+    finally:
+        server.stop()

@@ -223,17 +223,17 @@ def test_fault_plans_are_checked():
     assert [p.mode for p in plans] == ["slot", "slot_early", "batch", "hang", "restart"]
     assert plans[3].seconds == 5.0 and plans[0].after == 6 and plans[0].times == 1
     for bad in ("", "mode=slot", "persona=x,mode=explode", "persona=x,mode=slot,after=0", "persona=x,mode=slot,when=1",
-                "persona=x,mode=slot,after=soon", "persona"):
+                "persona=x,mode=slot,after=soon", "persona", "device=cpu#0,mode=slot", "persona=x,mode=fail_load",
+                "device=cpu#0,persona=x,mode=slow_load", "persona=x,device=cpu#0,mode=slot"):
         with pytest.raises(FaultPlanError):
             FaultPlan.parse_all(bad)
 
 
-@pytest.mark.parametrize("engine_host", ["process", "thread"])
-def test_a_slot_the_engine_lost_is_not_counted_free(engine_host):
+def test_a_slot_the_engine_lost_is_not_counted_free():
     """An engine that lost a slot (an open failed after taking it, injected): /ready and
     admission count the engine's own slots, so the lost one is never offered; the others
-    serve.  In both layouts: the engine in its own process, or in a thread of the worker."""
-    server = Server(max_sessions=2, silence_grace_s=0, engine_host=engine_host,
+    serve."""
+    server = Server(max_sessions=2, silence_grace_s=0,
                     fault_injection="persona=FAULT-LEAK,mode=leak_open,after=1")
     try:
         async def scenario():
@@ -262,13 +262,12 @@ def test_a_slot_the_engine_lost_is_not_counted_free(engine_host):
     assert "Traceback" not in server.logs()
 
 
-@pytest.mark.parametrize("engine_host", ["process", "thread"])
-def test_an_open_out_of_memory_is_a_retryable_refusal_and_the_others_stream_on(engine_host):
+def test_an_open_out_of_memory_is_a_retryable_refusal_and_the_others_stream_on():
     """The allocator fails a join (injected: torch's OutOfMemoryError, with the allocator's
     words and the GPU's memory figures): the joining client gets resource_exhausted,
     retryable, none of those words; the slot is free again; a session already streaming
-    loses nothing; /metrics counts the failure.  In both layouts."""
-    server = Server(max_sessions=2, silence_grace_s=0, engine_host=engine_host,
+    loses nothing; /metrics counts the failure."""
+    server = Server(max_sessions=2, silence_grace_s=0,
                     fault_injection="persona=FAULT-OOM,mode=oom_open")
     series = 'personaplex_open_failures_total{reason="out_of_memory"}'
     try:

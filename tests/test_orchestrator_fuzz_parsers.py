@@ -204,7 +204,7 @@ def test_session_handles_any_event_sequence(script):
 
     async def play() -> list[dict[str, Any]]:
         scheduler = StubScheduler()
-        session = Session("duplex-fuzz", SessionConfig(model="m"), scheduler=scheduler, settings=settings_,
+        session = Session("duplex-fuzz", SessionConfig(model="m"), port=scheduler, settings=settings_,
                           metrics=Metrics(), caps=capabilities(2))
         for step in script:
             if step[0] == "event":

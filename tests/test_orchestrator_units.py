@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from engines.config import DEFAULT_PERSONA, DEFAULT_VOICE
-from orchestrator.frontend.admission import SlotPool
 from orchestrator.metrics import Metrics
 from orchestrator.protocol.audio import (AudioError, InputStream, canonical_codec, decode_base64, float_to_pcm16,
                                          pcm16_base64, to_float32)
@@ -260,13 +259,17 @@ def test_settings_toml_unknown_key(tmp_path):
         Settings.from_env({"PERSONAPLEX_CONFIG": str(toml)})
 
 
-def test_slot_pool():
-    pool = SlotPool(2)
-    assert pool.try_acquire() and pool.try_acquire() and not pool.try_acquire()
-    pool.release()
-    assert pool.free == 1 and pool.try_acquire()
-    with pytest.raises(RuntimeError):
-        SlotPool(1).release()
+def test_a_removed_setting_says_what_became_of_it(tmp_path, caplog):
+    """PERSONAPLEX_ENGINE_HOST is gone: in the environment it is ignored with a line saying why,
+    in a config file it stops the start with that line."""
+    with caplog.at_level("WARNING", logger="orchestrator.settings"):
+        settings = Settings.from_env({"PERSONAPLEX_ENGINE_HOST": "thread"})
+    assert settings == Settings()
+    assert "ignoring PERSONAPLEX_ENGINE_HOST: every engine runs in an engine process of its own" in caplog.text
+    toml = tmp_path / "old.toml"
+    toml.write_text('engine_host = "thread"\n')
+    with pytest.raises(SettingsError, match="'engine_host' is gone: every engine runs in an engine process"):
+        Settings.from_env({"PERSONAPLEX_CONFIG": str(toml)})
 
 
 def test_metrics_exposition():
@@ -301,7 +304,7 @@ def test_session_drops_late_outputs_of_a_cancelled_epoch():
     async def scenario():
         scheduler = TickScheduler(lambda: None, policy=WindowPolicy(0.02), silence_grace_s=0, warmup_frames=0,
                                   metrics=Metrics())  # never started: only its bookkeeping is used
-        session = Session("s", SessionConfig(model="m"), scheduler=scheduler, settings=Settings(),
+        session = Session("s", SessionConfig(model="m"), port=scheduler, settings=Settings(),
                           metrics=Metrics(), caps=capabilities(2))
         session.on_result(result(0))
         opened = [json.loads(text)["type"] for text, *_ in session.outbox._items]
@@ -345,7 +348,7 @@ def test_the_engine_thread_has_an_os_name():
     import threading
     from pathlib import Path
 
-    from orchestrator.lockstep.scheduler import name_os_thread
+    from orchestrator.os_threads import name_os_thread
 
     if not Path("/proc/self/task").is_dir():
         pytest.skip("no /proc here")

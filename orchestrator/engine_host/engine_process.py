@@ -35,7 +35,7 @@ import zmq
 from ..engine_port import FrameFailure, FrameResult
 from ..ipc import wire
 from ..ipc.endpoints import engine_endpoint, engine_socket_path, pid_alive
-from ..lockstep.watchdog import Watchdog
+from ..watchdog import Watchdog
 from ..metrics import Metrics, mark_process_dead
 from ..protocol.errors import capacity_exhausted, counted_failure, engine_failure, new_error_id, withheld
 

@@ -39,7 +39,7 @@ def run_engine(run_dir: Path, index: int) -> int:
 
     spec = settings.engine_spec(device)
     max_sessions = spec.max_slots
-    factory = functools.partial(with_fault_injection(build_engine, settings.fault_injection), spec)
+    factory = functools.partial(with_fault_injection(build_engine, settings.fault_injection, label), spec)
     metrics = Metrics(metrics_dir(run_dir))
     metrics.declare_device(label)
     scheduler = TickScheduler(factory, policy=settings.tick_policy_object(), silence_grace_s=settings.silence_grace_s,

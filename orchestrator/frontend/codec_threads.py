@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ..lockstep.scheduler import name_os_thread
+from ..os_threads import name_os_thread
 from ..metrics import Metrics
 from ..protocol.audio import AudioError
 from ..protocol.ogg_opus import OggOpusDecoder, OggOpusEncoder

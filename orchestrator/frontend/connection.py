@@ -199,7 +199,7 @@ class Connection:
         engine = self._engine
         if not config.model:
             config = dataclasses.replace(config, model=services.model_name)
-        session = Session(session_id, config, scheduler=engine.scheduler, settings=self.settings,
+        session = Session(session_id, config, port=engine.port, settings=self.settings,
                           metrics=services.metrics, caps=services.caps)
         services.add_session(session)
         if services.draining:  # the drain began while the slot was being prepared

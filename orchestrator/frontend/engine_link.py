@@ -1,7 +1,6 @@
-"""A front-end worker's handle on one engine process: the scheduler's interface over IPC.
+"""A front-end worker's handle on one engine process: the ``engine_port.EnginePort`` over IPC.
 
-``EngineLink`` is an ``engine_port.EnginePort``, as a ``TickScheduler`` is, so the rest of the front end does not know whether its engine runs in a thread of this
-process or in an engine process.  It lives on the worker's event loop (one DEALER socket,
+It lives on the worker's event loop (one DEALER socket,
 read by the loop's reader callback without a future per message; ``ipc/wire.py`` has the
 messages):
 

@@ -99,7 +99,7 @@ class NativeConnection:
             await self._refuse(exc)
             return None
         try:
-            session = NativeSession(session_id, scheduler=engine.scheduler, settings=self.settings,
+            session = NativeSession(session_id, port=engine.port, settings=self.settings,
                                     metrics=services.metrics, codec=services.codec())
         except BaseException:  # e.g. no thread left for the stream's decoder: give the slot back
             engine.close(session_id)

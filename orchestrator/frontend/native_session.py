@@ -37,9 +37,9 @@ _REPORT_EVERY_S = 1.0  # repeated input errors (backpressure) are reported at mo
 class NativeSession(SessionCore):
     protocol = PROTOCOL
 
-    def __init__(self, session_id: str, *, scheduler: EnginePort, settings: Settings, metrics: Metrics,
+    def __init__(self, session_id: str, *, port: EnginePort, settings: Settings, metrics: Metrics,
                  codec: CodecThreads) -> None:
-        super().__init__(session_id, scheduler=scheduler, settings=settings, metrics=metrics)
+        super().__init__(session_id, port=port, settings=settings, metrics=metrics)
         self._codec = codec
         self._encoder = codec.new_encoder()
         # Client audio may run ahead of real time by as much as the Realtime route lets queue.

@@ -22,7 +22,7 @@ from .connection import Connection
 from .inbound import bounded_websocket_class
 from .memory_bound import describe, inbound_limit
 from .native_connection import NativeConnection
-from .services import EngineFactory, Services
+from .services import Services
 from .start_failure import end_start_up
 from .transport_bounds import bound_message_assembly, bound_transport_close, live_connections
 from .web import register_web
@@ -35,12 +35,9 @@ _OFF = ("0", "false", "off", "no")
 _ON = ("1", "true", "on", "yes")
 
 
-def create_app(settings: Settings | None = None, engine_factory: EngineFactory | None = None, *,
-               exit_on_start_failure: bool = False) -> Quart:
+def create_app(settings: Settings | None = None, *, exit_on_start_failure: bool = False) -> Quart:
     """Build the server.  ``settings=None`` reads ``PERSONAPLEX_*`` when serving starts, so
-    importing ``orchestrator:app`` has no side effects.  ``engine_factory``: None = the real
-    engine where the settings put it (engine processes by default); a factory runs its
-    engines in this process (``Services``).  ``exit_on_start_failure``: a start-up that
+    importing ``orchestrator:app`` has no side effects.  ``exit_on_start_failure``: a start-up that
     cannot succeed ends this process with one line and a nonzero status (the served app,
     ``orchestrator:app``); otherwise it raises (an app embedded in a test or a tool)."""
     refuse_permessage_deflate()  # client bytes are limited as sent, never inflated (ws_compression.py)
@@ -57,7 +54,7 @@ def create_app(settings: Settings | None = None, engine_factory: EngineFactory |
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
-            holder["services"] = Services(settings or Settings.from_env(), engine_factory)
+            holder["services"] = Services(settings or Settings.from_env())
             services().start()
             await services().wait_engines()
         except StartupError as exc:

@@ -1,6 +1,7 @@
-"""What the routes share: settings, the engines (one per device, with their schedulers,
-admission and watchdogs: ``engine_pool.py``), metrics and the registry of open sessions, plus
-access control and the drain.  Lives on the event loop; only the schedulers have threads.
+"""What the routes share: settings, the engines (one per device, each in an engine process
+this worker reaches through its port, with admission as last heard and a watchdog:
+``engine_pool.py``), metrics and the registry of open sessions, plus access control and the
+drain.  Lives on the event loop.
 
 Health with several engines: the process is healthy while at least one engine can serve,
 and ready once every engine has finished loading and at least one is serving; each engine's own state is in the bodies (and in
@@ -28,17 +29,16 @@ from typing import Any
 from engines.interface import SessionSpec
 
 from ..engine_host.launch import ensure_host
-from ..fault_injection import with_fault_injection
 from ..ipc.endpoints import default_run_dir, metrics_dir, server_group_pid
 from ..engine_port import EngineCall, FrameFailure, FrameResult
 from ..metrics import Metrics
 from ..protocol import libopus
-from ..protocol.errors import CAPACITY_EXHAUSTED, ProtocolError, capacity_exhausted, counted_failure, engine_failure
+from ..protocol.errors import CAPACITY_EXHAUSTED, ProtocolError, capacity_exhausted, engine_failure
 from ..protocol.events import capabilities
 from ..settings import Settings
 from .access import AccessPolicy
 from .engine_link import EngineRefusal
-from .engine_pool import DeviceEngine, EngineFactory, EnginePool
+from .engine_pool import DeviceEngine, EnginePool
 from .limits import ClientLimits, Refusal
 from .listeners import ListenerWatch, find_listeners
 from .loop_watch import watch_event_loop
@@ -55,10 +55,7 @@ ENGINE_CONNECT_TIMEOUT_S = 120.0  # start-up: an engine process answers before l
 
 
 class Services:
-    def __init__(self, settings: Settings, engine_factory: EngineFactory | None = None) -> None:
-        """``engine_factory``: None = the real engine, where ``settings.engine_host`` says
-        (engine processes, or threads here); a factory (tests, tools) always runs its engines
-        as threads of this process, since an engine process builds its own."""
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
         # Access control first: a public server without keys fails before loading a model.
         listeners = find_listeners()
@@ -71,26 +68,18 @@ class Services:
         self._tasks: list[asyncio.Future] = []
         self.sessions: dict[str, Session | NativeSession] = {}  # open sessions of both protocols, by id
         self._codec: CodecThreads | None = None  # the native sessions' Opus work, from the first one on
-        self.in_process = engine_factory is not None or settings.engine_host == "thread"
-        # One worker logs what concerns the whole server (the one that started the engine host).
-        self.speaks_for_server = self.in_process
-        if self.in_process:
-            if engine_factory is None:
-                from engines.runtime.factory import build_engine as engine_factory  # torch: only for in-process engines
-            factory = with_fault_injection(engine_factory, settings.fault_injection)
-            self.metrics = Metrics()
-            self.pool = EnginePool.build(settings, factory, self.metrics, self._on_stall)
-        else:
-            run_dir = Path(settings.run_dir) if settings.run_dir else default_run_dir()
-            layout, self.speaks_for_server = ensure_host(settings, run_dir, server_group_pid())
-            self.metrics = Metrics(metrics_dir(run_dir))  # the host has made it, empty
-            self.pool = EnginePool.connect(settings, layout, self.metrics, self._on_stall)
+        # The engines run in engine processes that the engine host starts (the first worker
+        # starts the host; the others find it).  That worker logs what concerns the whole server.
+        run_dir = Path(settings.run_dir) if settings.run_dir else default_run_dir()
+        layout, self.speaks_for_server = ensure_host(settings, run_dir, server_group_pid())
+        self.metrics = Metrics(metrics_dir(run_dir))  # the host has made it, empty
+        self.pool = EnginePool.connect(settings, layout, self.metrics, self._on_stall)
         self._caps: tuple[int, dict[str, Any]] | None = None
         engines = self.pool.engines
         self.metrics.live_sessions = lambda: self.pool.held
         self.metrics.free_slots = lambda: self.pool.free
         self.metrics.max_sessions = lambda: self.pool.capacity
-        self.metrics.ready = lambda: any(engine.scheduler.is_ready for engine in engines)
+        self.metrics.ready = lambda: any(engine.port.is_ready for engine in engines)
         self.metrics.engine_stalled = lambda: any(engine.watchdog.stalled is not None for engine in engines)
         self.metrics.devices = lambda: [engine.status() for engine in engines]
         self.metrics.draining = lambda: self.draining
@@ -110,11 +99,10 @@ class Services:
 
     # Lifecycle --------------------------------------------------------------------------------
     async def wait_engines(self, timeout_s: float = ENGINE_CONNECT_TIMEOUT_S) -> None:
-        """Engine processes: wait until each has answered (its capacity is then known)."""
-        if not self.in_process:
-            await self.pool.wait_connected(timeout_s)
-            log.info("engine processes answered: %s", ", ".join(
-                f"{e.label} pid {e.engine_pid} max_sessions={e.max_sessions or 'auto'}" for e in self.pool.engines))
+        """Wait until each engine process has answered (its capacity is then known)."""
+        await self.pool.wait_connected(timeout_s)
+        log.info("engine processes answered: %s", ", ".join(
+            f"{e.label} pid {e.engine_pid} max_sessions={e.max_sessions or 'auto'}" for e in self.pool.engines))
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -123,16 +111,7 @@ class Services:
             log.warning("PERSONAPLEX_CHECKPOINT is not set: serving the embedded default, an UNTRAINED tiny demo "
                         "model (its speech is noise). To serve real weights set PERSONAPLEX_CHECKPOINT to a "
                         "nvidia/personaplex-7b-v1 checkpoint directory.")
-        if self.in_process:
-            log.info("starting %d engine(s): backend=%s max_sessions=%s in all", len(self.pool.engines),
-                     self.settings.backend, self.max_sessions or "auto (each engine's memory plan)")
-        if self.in_process:
-            # The engine threads release the interpreter lock around every GPU call and wait
-            # on the GPU; taking it back from a busy event loop costs up to one switch
-            # interval per call (5 ms by default, several times per tick).  A short interval
-            # bounds that.  (Engine processes set their own.)
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        self.pool.start(self._loop, self.deliver)
+        self.pool.start(self.deliver)
         if self.settings.watchdog_deadline_s > 0:
             self._tasks.extend(asyncio.ensure_future(engine.watchdog.run()) for engine in self.pool.engines)
         if self._listeners.listeners:
@@ -195,7 +174,7 @@ class Services:
         unavailable = self.pool.unavailable()
         if unavailable is not None:
             return unavailable, "stalled" if unavailable.code == "engine_stalled" else "unavailable"
-        if self.pool.choose(views_may_lag=at_open, exclude=exclude) is None:
+        if self.pool.choose(at_open=at_open, exclude=exclude) is None:
             return self.full_error(), "full"
         return None
 
@@ -203,14 +182,17 @@ class Services:
         return capacity_exhausted(self.max_sessions)
 
     def place_session(self, exclude: Collection[DeviceEngine] = ()) -> DeviceEngine:
-        """Hold an admission slot for a new session on the engine placement picks, leaving out
-        ``exclude``; raises ``open_refusal()``'s error (counted in the metrics) when there is none."""
+        """The engine placement picks for a new session, leaving out ``exclude`` (its engine
+        admits the open or refuses it); raises ``open_refusal()``'s error (counted in the
+        metrics) when there is none."""
         refusal = self.open_refusal(at_open=True, exclude=exclude)
         if refusal is not None:
             error, reason = refusal
             self.count_refusal(reason)
             raise error
-        return self.pool.acquire(exclude)
+        engine = self.pool.choose(at_open=True, exclude=exclude)
+        assert engine is not None  # open_refusal saw one, and nothing ran in between
+        return engine
 
     async def open_session(self, session_id: str, spec: SessionSpec) -> DeviceEngine:
         """Place a new session and open it on its engine (its prompt installed); the engine it
@@ -221,7 +203,7 @@ class Services:
         refused: ProtocolError | None = None  # the latest engine's own refusal
         while True:
             try:
-                engine = self.place_session(refused_by)  # holds an admission slot from here; raises when nowhere
+                engine = self.place_session(refused_by)  # raises when nowhere
             except ProtocolError as nowhere:
                 # Every engine turned it down: a join that got no turn says so, not "full".
                 other_reason = refused is not None and not refused.message.startswith(CAPACITY_EXHAUSTED)
@@ -232,15 +214,11 @@ class Services:
                 return engine
             except asyncio.CancelledError:
                 # The client left while the slot was being prepared; the open may still complete
-                # in the engine thread, so close by id: that frees whatever was allocated.
+                # in the engine process, so close by id: that frees whatever was allocated.
                 engine.close(session_id)
                 raise
             except Exception as exc:  # noqa: BLE001 - a failed open allocated no engine slot
-                engine.cancel_admission()
-                error = _open_error(exc)
-                reason = counted_failure(exc) if _in_process(exc) else None
-                if reason is not None:  # the engine in this process (engine processes count their own)
-                    self.metrics.inc("open_failures", reason)
+                error = _open_error(exc)  # (the engine process counted the failure)
                 if error.code != "resource_exhausted":
                     raise error from None
                 refused_by.append(engine)
@@ -300,7 +278,7 @@ class Services:
 
     def _on_stall(self, engine: DeviceEngine, call: EngineCall, elapsed: float) -> None:
         for session in list(self.sessions.values()):
-            if session.scheduler is engine.scheduler:
+            if session.port is engine.port:
                 session.emit_error(ProtocolError(
                     "engine_stalled", f"the model has not answered for {elapsed:.1f} s; this session waits for it",
                     retryable=True))
@@ -340,11 +318,8 @@ class Services:
 
     # Status -----------------------------------------------------------------------------------
     async def refresh(self) -> None:
-        """Engine processes: fetch each one's status now, so that what this worker reports
-        is exact whichever worker answers (between requests its view is a heartbeat old)."""
-        links = self.pool.links
-        if links:
-            await asyncio.gather(*(link.refresh() for link in links))
+        """Fetch each engine's status now (``EnginePool.refresh``)."""
+        await self.pool.refresh()
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """503 when no engine can serve (the one engine's reason, or each device's) or while
@@ -390,18 +365,13 @@ class Services:
         return (200 if reason is None else 503), body
 
 
-def _in_process(exc: Exception) -> bool:
-    """An open that raised in the engine of this process (not an engine process's answer)."""
-    return not isinstance(exc, (ProtocolError, EngineRefusal))
-
-
 def _open_error(exc: Exception) -> ProtocolError:
     """The client-facing error of a failed open: the engine process's reply (already the
-    client's: ``EngineError`` with its code and message), or, with the engine in this process,
-    ``engine_failure``'s (no exception text for the client)."""
+    client's: ``EngineRefusal`` with its code and message), or ``engine_failure``'s for anything
+    else (the link's typed ``EngineError`` passes as it is; no exception text for the client)."""
     if isinstance(exc, ProtocolError):
         return exc
-    if isinstance(exc, EngineRefusal):  # (capacity, or memory for it now: retryable, as in this process)
+    if isinstance(exc, EngineRefusal):  # (capacity, or memory for it now: retryable)
         extra = {"retryable": True} if exc.code == "resource_exhausted" else {}
         return ProtocolError(exc.code, str(exc), param="voice" if exc.code == "invalid_voice" else None, **extra)
     return engine_failure(exc, "opening the session", log)  # typed refusals pass as they are

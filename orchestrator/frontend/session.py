@@ -1,6 +1,6 @@
 """One open session on the event loop: its configuration, epochs, responses and queues.
 
-A ``Session`` turns client events into scheduler commands and engine frames into server
+A ``Session`` turns client events into engine commands and engine frames into server
 events, on the ``SessionCore`` it shares with the native route (``session_core.py``: input
 back-pressure, the output queue, epochs).  It never awaits: every handler runs to completion
 on the loop, so the order of events is the order of the client's messages and of the ticks.
@@ -60,12 +60,12 @@ class Session(SessionCore):
         session_id: str,
         config: SessionConfig,
         *,
-        scheduler: EnginePort,
+        port: EnginePort,
         settings: Settings,
         metrics: Metrics,
         caps: dict[str, Any],
     ) -> None:
-        super().__init__(session_id, scheduler=scheduler, settings=settings, metrics=metrics)
+        super().__init__(session_id, port=port, settings=settings, metrics=metrics)
         self.config = config
         # The reason a client gave in session.close: echoed back in session.closed's "event"
         # only.  The server's own reason (close code, log, metrics) is "client_close": a
@@ -119,7 +119,7 @@ class Session(SessionCore):
                 if self._input is not None:
                     self._input.clear()
                 self._arrivals.clear()
-                self._scheduler.drop_pending(self.id)
+                self._port.drop_pending(self.id)
                 self.emit({"type": "input_audio_buffer.cleared"})
             elif kind in ("input_audio_buffer.commit", "input.commit"):
                 self._commit()
@@ -184,7 +184,7 @@ class Session(SessionCore):
             frame = self._input.pad_to_frame()
             if frame is not None:
                 self._arrivals.append(time.monotonic())
-                self._scheduler.push(self.id, self.epoch, frame[None, :])
+                self._port.push(self.id, self.epoch, frame[None, :])
         self.emit({"type": "input_audio_buffer.committed", "previous_item_id": self._last_item_id, "item_id": None})
 
     def _response_create(self, event: Mapping[str, Any]) -> None:

@@ -127,7 +127,7 @@ async def send_outbox(ws: Any, session: Any, metrics: Metrics) -> None:
     cancelled, timing the client frames each answers; a failed send means the transport is
     gone: the session is asked to stop (``transport_error``)."""
     outbox = session.outbox
-    device = session.scheduler.device or "default"
+    device = session.port.device or "default"
     try:
         while True:
             message, answers = await outbox.get()
@@ -153,24 +153,24 @@ class SessionCore:
 
     protocol = ""
 
-    def __init__(self, session_id: str, *, scheduler: EnginePort, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, session_id: str, *, port: EnginePort, settings: Settings, metrics: Metrics) -> None:
         self.id = session_id
         self.state = "open"  # "closing" once the session stops producing (begin_close)
         self.epoch = 0
         self.outbox = Outbox(settings.max_output_buffer_bytes)
         self.stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()  # result: close reason
-        self._scheduler = scheduler
+        self._port = port
         self._settings = settings
         self._metrics = metrics
         self._max_pending_frames = max(1, settings.max_pending_input_bytes // F32_FRAME_BYTES)
-        # Arrival (monotonic) of each client frame handed to the scheduler and not yet
+        # Arrival (monotonic) of each client frame handed to the engine and not yet
         # answered, oldest first: the start of personaplex_frame_latency_seconds.
         self._arrivals: deque[float] = deque()
 
     @property
-    def scheduler(self) -> EnginePort:
-        """The scheduler of the engine this session lives on (for its whole life)."""
-        return self._scheduler
+    def port(self) -> EnginePort:
+        """The port of the engine this session lives on (for its whole life)."""
+        return self._port
 
     def request_stop(self, reason: str) -> None:
         if not self.stop.done():
@@ -200,7 +200,7 @@ class SessionCore:
     def _input_fits(self, stream: InputStream, samples: int) -> bool:
         """Whether ``samples`` more of ``stream`` keep the frames waiting for the model within
         ``max_pending_input_bytes``."""
-        return self._scheduler.pending(self.id) + stream.frames_after(samples) <= self._max_pending_frames
+        return self._port.pending(self.id) + stream.frames_after(samples) <= self._max_pending_frames
 
     def _backpressure(self, dropped: bool = False) -> ProtocolError:
         """``dropped``: the audio was dropped (the native route), not refused."""
@@ -209,19 +209,19 @@ class SessionCore:
                              + ("audio dropped (send in real time)" if dropped else "send in real time"), param="audio")
 
     def _push_input(self, stream: InputStream, samples: np.ndarray) -> None:
-        """Hand the whole frames ``samples`` completes to the scheduler (the rest waits in
+        """Hand the whole frames ``samples`` completes to the engine (the rest waits in
         ``stream``)."""
         frames = stream.push(samples)
         if len(frames):
             self._arrivals.extend([time.monotonic()] * len(frames))
-            self._scheduler.push(self.id, self.epoch, frames)
+            self._port.push(self.id, self.epoch, frames)
 
     def _new_epoch(self) -> None:
-        """Start a new epoch: the scheduler drops the frames not yet stepped, and later
+        """Start a new epoch: the engine drops the frames not yet stepped, and later
         results of the old epoch are dropped here."""
         self.epoch += 1
         self._arrivals.clear()
-        self._scheduler.restart(self.id, self.epoch)
+        self._port.restart(self.id, self.epoch)
 
     # Model output -----------------------------------------------------------------------------
     def on_result(self, result: FrameResult | FrameFailure) -> None:
@@ -246,7 +246,7 @@ class SessionCore:
             self.request_stop("engine_error")
             return
         # A failed step may leave the slot's context half-updated: a fresh epoch (the
-        # scheduler has already queued its restart; this call then changes nothing).
+        # engine has already queued its restart; this call then changes nothing).
         self._new_epoch()
 
     def _failed(self) -> None:

@@ -1,5 +1,5 @@
 """The lockstep: one engine thread that advances every live session of a device by one frame
-per tick (``scheduler.py``), the decision of when to tick as a pure function
-(``tick_policy.py``) and the watchdog that notices a tick that never returns
-(``watchdog.py``).  Runs in the engine process (or, in the thread layout, in the worker).
+per tick (``scheduler.py``), with its engine's loading (``loading.py``) and prefill jobs
+(``joins.py``), and the decision of when to tick as a pure function (``tick_policy.py``).  Runs in the engine process (``engine_host/``); the front end reaches it
+through ``engine_port.EnginePort``.
 """

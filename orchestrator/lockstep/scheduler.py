@@ -39,7 +39,6 @@ engine call in progress, for the watchdog.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import logging
 import threading
 import time
@@ -54,6 +53,7 @@ from engines.interface import Engine, EngineInfo, FrameOutput, SessionSpec, Slot
 
 from ..engine_port import EngineCall, FrameFailure, FrameResult
 from ..metrics import Metrics
+from ..os_threads import name_os_thread
 from ..own_clock import OwnClock
 from ..protocol.audio import float_to_pcm16
 from ..protocol.errors import new_error_id, withheld
@@ -66,20 +66,6 @@ log = logging.getLogger(__name__)
 JOBS_STALLED_PAUSE_S = 0.005
 
 TICK_TIME_SMOOTHING = 0.2  # weight of the newest tick in the moving average the policy reads
-
-
-def name_os_thread(name: str) -> None:
-    """Give the calling thread an OS-level name (Linux: what ``top -H``, ``ps -L`` and
-    ``/proc/PID/task/TID/comm`` show; 15 bytes at most), so an operator can tell the engine
-    thread's CPU from the event loop's.  Python's own thread names stay inside Python."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_NAME, name.encode("ascii", "replace")[:15], 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux, or no prctl: a cosmetic loss only
-        pass
-
-
-PR_SET_NAME = 15
 
 
 def _settle(future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:

@@ -13,7 +13,7 @@
 # /metrics before and after (metrics.txt), the GPU's utilisation per second (gpu-dmon.txt)
 # and the busiest threads every 20 s (top-threads.txt); per server, POLICY-server.tgz: its log
 # and start-up time (startup.txt).  Settings: WORKERS (front-end workers, default 4),
-# ENGINE_HOST (process | thread: the old one-process layout), MAX_SESSIONS (default: the
+# MAX_SESSIONS (default: the
 # largest load; auto when a load is "wall": see below), SPREAD_MS (default 80), WAV (default tests/data/input_assistant.wav), JOINER
 # (EVERY_S:CHARS[:FRAMES]: during each load, a session joins every EVERY_S seconds with a new
 # persona of CHARS characters, streams FRAMES frames and waits for as many back, and leaves, tests/e2e/online_serving/joiner.py; its open times go
@@ -34,9 +34,7 @@ policy=$1
 shift
 out=${OUT:?set OUT}
 wav=${WAV:-tests/data/input_assistant.wav}
-engine_host=${ENGINE_HOST:-process}
 workers=${WORKERS:-4}
-[ "$engine_host" = thread ] && workers=1
 largest=0
 for load in "$@"; do
     n=0
@@ -58,7 +56,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 keep=${SERVER:-}
 export PERSONAPLEX_CHECKPOINT=${CHECKPOINT:-random:personaplex-7b} PERSONAPLEX_DEVICES=${DEVICES:-0} \
     PERSONAPLEX_KV_CACHE=${KV_CACHE:-fp8} PERSONAPLEX_MAX_SESSIONS=${MAX_SESSIONS:-$largest} \
-    PERSONAPLEX_TICK_POLICY=$policy PERSONAPLEX_ENGINE_HOST=$engine_host
+    PERSONAPLEX_TICK_POLICY=$policy
 started=$SECONDS
 if [ "$keep" = keep ] && [ -s /tmp/pp-server ] && curl -sf 127.0.0.1:8000/ready >/dev/null; then
     read -r server server_dir < /tmp/pp-server
@@ -104,7 +102,7 @@ for device in json.load(open(sys.argv[1]))["devices"]:
         print(f"{device['device']}: memory plan {plan['sessions']} sessions, largest fit {plan['largest_fit']}, "
               f"spare {plan['spare_bytes'] / 2**30:.2f} GiB; {items}")
 PY
-echo "$policy: ready after $((SECONDS - started)) s (git $revision, $gpu, engine $engine_host, $workers worker(s), max_sessions $PERSONAPLEX_MAX_SESSIONS: $wall)" | tee -a "$server_dir/startup.txt"
+echo "$policy: ready after $((SECONDS - started)) s (git $revision, $gpu, $workers worker(s), max_sessions $PERSONAPLEX_MAX_SESSIONS: $wall)" | tee -a "$server_dir/startup.txt"
 model=$(curl -s 127.0.0.1:8000/v1/models | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
 # CPU seconds (user + system) of every process of the server (the hypercorn master and its
 # descendants), one line each: pid, name, seconds; the workers are the master's children
@@ -188,7 +186,7 @@ for load in "$@"; do
             --protocol "$protocol" \
             --processes "$processes" --load-frames "$frames" --tail-s "$tail_s" --plot --progress-s 30 \
             --start-spread-ms "${SPREAD_MS:-80}" --server-revision "$revision" \
-            --server-hardware "$gpu, policy $policy, engine $engine_host, $workers worker(s)" \
+            --server-hardware "$gpu, policy $policy, $workers worker(s)" \
             --output-dir "$sub/result" > "$sub/summary.txt" 2> "$sub/driver.log" &
         drivers+=($!)
     done

@@ -7,7 +7,9 @@ pays nothing), and when one call has run past ``deadline_s`` it counts a stall, 
 tells the callback (which warns the sessions), and reports itself in ``stalled`` until that
 call returns: its engine then takes no new sessions, and when no engine of the process can
 serve ``/health`` is 503, so an orchestrator can replace the process.  One watchdog per
-engine (``engine_pool.py``).
+engine in its engine process (which counts the stall), and one per engine in each front-end
+worker (``engine_pool.py``: reading the call in progress as the engine's status last said,
+to warn that worker's sessions and place none there).
 """
 
 from __future__ import annotations
@@ -16,16 +18,24 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
-from ..metrics import Metrics
-from ..engine_port import EngineCall
-from .scheduler import TickScheduler
+from .metrics import Metrics
+from .engine_port import EngineCall
 
 log = logging.getLogger(__name__)
 
 
+class Watched(Protocol):
+    """What the watchdog reads: the engine process's ``TickScheduler``, or a worker's
+    ``EnginePort`` to it (its call in progress as last heard)."""
+
+    device: str
+    busy: EngineCall | None
+
+
 class Watchdog:
-    def __init__(self, scheduler: TickScheduler, deadline_s: float, metrics: Metrics,
+    def __init__(self, scheduler: Watched, deadline_s: float, metrics: Metrics,
                  on_stall: Callable[[EngineCall, float], None],
                  clock: Callable[[], float] = time.monotonic, count_stalls: bool = True) -> None:
         # ``count_stalls``: False where the engine process counts its own stalls (every
