@@ -1,5 +1,6 @@
 """``personaplex-serve --workers K ...`` (``python -m orchestrator.serve [orchestrator:app] ...``):
-hypercorn's command line with a master that keeps the server up when one worker dies.
+hypercorn's command line, with every server setting as a flag too (``--help`` lists them), and
+a master that keeps the server up when one worker dies.
 
 hypercorn's own master (``hypercorn --workers K``) stops every worker as soon as one exits
 with an error, so one crashed worker ends every session of the server.  This master takes
@@ -29,14 +30,17 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import sys
 import time
 from multiprocessing.connection import wait
+from collections.abc import MutableMapping
 from typing import Any
 
 from .frontend.start_failure import START_FAILED_EXIT
-from .settings import Settings, SettingsError
+from .settings import Settings, SettingsError, env_name
+from .settings_help import setting_flags, settings_help
 
 log = logging.getLogger("orchestrator.serve")
 
@@ -159,21 +163,83 @@ def supervise(config: Any) -> int:
     return exitcode
 
 
+USAGE = """usage: personaplex-serve [APP] [--bind HOST:PORT] [--workers K] [--SETTING VALUE ...] [hypercorn options]
+
+Serves full-duplex speech-to-speech models of the Moshi family (NVIDIA PersonaPlex) over
+websockets: /v1/realtime?duplex=1 (OpenAI Realtime), /api/chat (NVIDIA's Ogg/Opus protocol),
+/health, /ready, /metrics, /v1/models, /v1/voices and a talk page at /.  APP defaults to
+orchestrator:app.  The same server runs as `hypercorn orchestrator:app` with the settings in
+PERSONAPLEX_* variables; personaplex-serve adds a master that hands each connection to the
+least busy worker and replaces a worker that dies, and ends a start-up that cannot succeed
+with one line and exit status 3.
+
+Common options:
+  --bind HOST:PORT       where to listen (hypercorn's option; default 127.0.0.1:8000; repeatable)
+  --workers K            front-end workers (hypercorn's option; default 1; about one per 38
+                         sessions on an H200 host; docs/ORCHESTRATOR.md says how to size it)
+  --checkpoint DIR|REPO  the model (default: the embedded tiny demo model)
+  --max-sessions N|auto  sessions per device (default auto: the GPU's memory plan)
+  --api-keys K1,K2       keys clients must send (required when listening beyond loopback)
+  --help-hypercorn       hypercorn's own options (TLS, logging, timeouts), all accepted here
+
+Example:
+  personaplex-serve --bind 0.0.0.0:8000 --workers 4 --checkpoint nvidia/personaplex-7b-v1 \\
+      --api-keys "$KEY"
+
+"""
+
+
+def apply_setting_flags(args: list[str], environ: MutableMapping[str, str]) -> list[str]:
+    """``args`` without the settings' flags (``--max-sessions 8``, ``--checkpoint=DIR``), each
+    put in ``environ`` as its ``PERSONAPLEX_*`` variable unless that is set already (the
+    environment wins; logged when they differ).  ``SettingsError`` for a flag without a value."""
+    flags = setting_flags()
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        flag, has_value, value = args[i].partition("=")
+        name = flags.get(flag)
+        if name is None:
+            rest.append(args[i])
+            i += 1
+            continue
+        if not has_value:
+            if i + 1 >= len(args):
+                raise SettingsError(f"{flag} needs a value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        variable = env_name(name)
+        if variable in environ:
+            if environ[variable] != value:
+                log.info("%s=%r from the environment wins over %s %r", variable, environ[variable], flag, value)
+            continue
+        environ[variable] = value
+    return rest
+
+
 def main(argv: list[str] | None = None) -> int:
-    """hypercorn's command line; the application defaults to ``orchestrator:app`` when the
-    arguments begin with an option (``personaplex-serve --bind 127.0.0.1:8000``)."""
+    """hypercorn's command line with the server's settings as flags too (``--help`` lists
+    them); the application defaults to ``orchestrator:app`` when the arguments begin with an
+    option (``personaplex-serve --bind 127.0.0.1:8000``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help", "--version")):
-        args.insert(0, DEFAULT_APP)
+    if "-h" in args or "--help" in args:
+        print(USAGE + settings_help())
+        return 0
+    import hypercorn.__main__ as hypercorn_cli
+
+    if "--help-hypercorn" in args:
+        return hypercorn_cli.main(["--help"])
     # The settings are the server's: one that is wrong fails here, before any worker starts.
     try:
-        Settings.from_env()
+        args = apply_setting_flags(args, os.environ)
+        Settings.from_env().check_checkpoint_available()
     except SettingsError as exc:
         log.error("cannot start: %s", exc)
         return START_FAILED_EXIT
-    import hypercorn.__main__ as hypercorn_cli
-
+    if not args or (args[0].startswith("-") and args[0] != "--version"):
+        args.insert(0, DEFAULT_APP)
     # hypercorn's parser builds the Config and hands it to ``run``: ours supervises instead.
     hypercorn_cli.run = supervise
     return hypercorn_cli.main(args)

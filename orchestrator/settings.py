@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import tomllib
 
 from engines.spec import SpecError, check_engine_options
-from engines.checkpoints.hub import DEFAULT_REPO, parse_repo_ref
+from engines.checkpoints.hub import DEFAULT_REPO, hub_offline, local_checkpoint, parse_repo_ref
 from engines.checkpoints.random_weights import random_model_name
 
 if TYPE_CHECKING:
@@ -229,6 +229,28 @@ class Settings:
             if parse_repo_ref(self.checkpoint) is None:
                 raise SettingsError(f"{env_name('checkpoint')}={self.checkpoint!r} is neither a directory nor a "
                                     f"Hugging Face repo id (owner/name[@revision], e.g. {DEFAULT_REPO})")
+
+    def check_checkpoint_available(self) -> None:
+        """At start (not in every ``Settings``: it reads the Hugging Face cache): a checkpoint
+        named by repo id while ``HF_HUB_OFFLINE`` is set must already be in the local cache, so
+        that start-up ends with one line rather than an engine that fails to load after it."""
+        if self.checkpoint is None or self.backend == "trtllm" or random_model_name(self.checkpoint) is not None:
+            return
+        ref = parse_repo_ref(self.checkpoint)
+        if ref is not None and hub_offline() and local_checkpoint(self.checkpoint) is None:
+            raise SettingsError(f"{env_name('checkpoint')}={self.checkpoint!r} is not in the local Hugging Face cache "
+                                "and HF_HUB_OFFLINE is set: download it once with network access (or unset "
+                                "HF_HUB_OFFLINE), or name a checkpoint directory")
+
+    def served_model_id(self) -> str | None:
+        """The model id to report when the operator names none: a checkpoint named by repo
+        id is served under that id (vLLM's convention); None: the engine's own name."""
+        if self.model_name:
+            return self.model_name
+        if self.checkpoint is None or random_model_name(self.checkpoint) is not None:
+            return None
+        ref = parse_repo_ref(self.checkpoint)
+        return ref.repo_id if ref is not None else None
 
     def _check_reliability(self, positive: Any) -> None:
         """Access-control and fault settings (kept apart: one job per block)."""

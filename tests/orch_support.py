@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +59,15 @@ def pcm16_b64(samples: np.ndarray) -> str:
     return base64.b64encode(np.clip(np.rint(samples * 32767), -32768, 32767).astype("<i2").tobytes()).decode()
 
 
+def answers_ready(http: str) -> bool:
+    """Whether the server at ``http`` (``http://HOST:PORT``) answers ``/ready`` with 200 now."""
+    try:
+        with urllib.request.urlopen(f"{http}/ready", timeout=5) as answer:
+            return answer.status == 200
+    except OSError:  # not listening yet, or 503
+        return False
+
+
 def delta_pcm(event: dict[str, Any]) -> np.ndarray:
     """The int16 samples of one ``response.output_audio.delta`` (strict base64)."""
     raw = base64.b64decode(event["delta"], validate=True)
@@ -96,10 +106,11 @@ class Server:
     OS; clients always connect through 127.0.0.1."""
 
     def __init__(self, host: str = "127.0.0.1", *, workers: int = 1, launcher: str = "hypercorn",
-                 wait_ready: bool = True, **settings: Any) -> None:
+                 wait_ready: bool = True, cli: Sequence[str] = (), **settings: Any) -> None:
         # ``launcher``: "hypercorn" (python -m hypercorn) or "personaplex" (orchestrator.serve,
         # hypercorn's command line with a master that replaces a dead worker).  ``wait_ready``:
         # return once /ready says 200 (False: once it listens, for servers that never get there).
+        # ``cli``: more arguments for the launcher (personaplex-serve's setting flags).
         env = {k: v for k, v in os.environ.items() if not k.startswith("PERSONAPLEX_") or k == "PERSONAPLEX_CACHE_DIR"}
         env.update({f"PERSONAPLEX_{k.upper()}": str(v) for k, v in settings.items()})
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -108,7 +119,7 @@ class Server:
         module = {"hypercorn": "hypercorn", "personaplex": "orchestrator.serve"}[launcher]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, "orchestrator:app", "--bind", f"{host}:0", "--graceful-timeout", "2",
-             "--workers", str(workers)],
+             "--workers", str(workers), *cli],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.port: int | None = None
         found = threading.Event()

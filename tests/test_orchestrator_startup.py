@@ -56,6 +56,8 @@ BAD_SETTINGS = [
     ({"PERSONAPLEX_AUTH": "required"}, "PERSONAPLEX_AUTH=required but no API keys are configured"),
     ({"PERSONAPLEX_WEIGHTS": "int4"}, "PERSONAPLEX_WEIGHTS must be one of auto, fp8, got 'int4'"),
     ({"PERSONAPLEX_DEVICE": "cuda"}, "PERSONAPLEX_DEVICE=cuda but CUDA is not available here"),
+    ({"PERSONAPLEX_CHECKPOINT": HUB_REPO, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": "/nonexistent/hub"},
+     f"PERSONAPLEX_CHECKPOINT='{HUB_REPO}' is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"),
     ({"PERSONAPLEX_CPU_THREADS": "-1"}, "PERSONAPLEX_CPU_THREADS must be >= 0, got -1"),
 ]
 
@@ -89,7 +91,8 @@ def test_hypercorn_says_a_bad_setting_in_one_line_and_exits_nonzero(env, message
     assert "Running on" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("env, message", [BAD_SETTINGS[0], BAD_SETTINGS[-1]], ids=["in the master", "in a worker"])
+@pytest.mark.parametrize("env, message", [BAD_SETTINGS[0], BAD_SETTINGS[-2], BAD_SETTINGS[-1]],
+                         ids=["in the master", "a checkpoint not in the offline cache", "in a worker"])
 def test_personaplex_serve_says_it_in_one_line_and_exits_3(env, message):
     if "PERSONAPLEX_DEVICE" in env and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -142,7 +145,10 @@ def test_repo_id_from_the_cache_voice_dir_and_the_ready_line(my_voice_dir, tmp_p
 
         run(scenario())
         logs = server.logs()
-        assert "serving 1 voice(s) from" in logs and f"checkpoint {HUB_REPO}: from the local cache" in logs
+        assert "serving 1 voice(s) from" in logs
+        assert f"checkpoint {HUB_REPO}: looking in the local cache only (HF_HUB_OFFLINE)" in logs
+        # Served under the repo id it was named by (vLLM's convention), not the engine's name.
+        assert [model["id"] for model in server.get("/v1/models")[1]["data"]] == [HUB_REPO]
         # Said once the worker has seen the engine ready (it looks every 0.2 s).
         ready_line = f"talk page http://127.0.0.1:{server.port}/ , websocket ws://127.0.0.1:{server.port}/v1/realtime"
         deadline = time.monotonic() + 10

@@ -82,6 +82,11 @@ def resolve_checkpoint(value: str | Path | None, *, cache_dir: str | Path | None
     return download(ref, cache_dir=cache_dir, local_name=text)
 
 
+def hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` is set: the cache alone, no network."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE
+
+
 def local_checkpoint(value: str) -> Path | None:
     """What ``resolve_checkpoint`` would give without fetching anything: the directory
     ``value`` names, or a repo id's snapshot already in the local Hugging Face cache (None
@@ -103,11 +108,12 @@ def download(ref: RepoRef, *, cache_dir: str | Path | None = None, local_name: s
     import huggingface_hub
     from huggingface_hub import errors
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE
+    offline = hub_offline()
     progress.report(progress.CHECKPOINT, f"{ref} from the Hugging Face cache" if offline else f"downloading {ref}")
     try:
         patterns = _needed_files(ref, cache_dir, offline)
-        log.info("checkpoint %s: %s (%s)", ref, "from the local cache" if offline else "downloading what is missing",
+        log.info("checkpoint %s: %s (%s)", ref,
+                 "looking in the local cache only (HF_HUB_OFFLINE)" if offline else "downloading what is missing",
                  ", ".join(patterns))
         snapshot = Path(huggingface_hub.snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=cache_dir,
                                                           allow_patterns=patterns, local_files_only=offline,

@@ -54,7 +54,9 @@ def create_app(settings: Settings | None = None, *, exit_on_start_failure: bool 
         if not logging.getLogger().handlers:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         try:
-            holder["services"] = Services(settings or Settings.from_env())
+            resolved = settings or Settings.from_env()
+            resolved.check_checkpoint_available()
+            holder["services"] = Services(resolved)
             services().start()
             await services().wait_engines()
         except StartupError as exc:

@@ -302,8 +302,9 @@ class Services:
 
     @property
     def model_name(self) -> str:
-        if self.settings.model_name:
-            return self.settings.model_name
+        served = self.settings.served_model_id()
+        if served:
+            return served
         info = self.pool.info
         return info.model if info else "personaplex"
 

@@ -27,6 +27,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
+from tests.orch_support import answers_ready
+
 REPO = Path(__file__).resolve().parents[3]
 MESSAGES_PER_FRAME = 3  # append in; audio delta and transcript delta out
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -73,12 +75,8 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with status {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
+        if answers_ready(f"http://127.0.0.1:{port}"):
+            return
         time.sleep(0.5)
     raise RuntimeError(f"the server was not ready within {timeout_s:g} s")
 

@@ -1,0 +1,138 @@
+"""The container image, built and run for real: the Dockerfile on a base made here from Debian's
+packages (no image registry is reachable: ``debootstrap`` plus Debian's python3, passed as
+``BASE_IMAGE``), torch from this machine's CPU wheel, the rest from the package index; then the
+image runs with ``--network host`` on loopback: ``/ready`` says ready, a client session streams
+speech and gets audio back, the server runs as the image's non-root user, and ``docker stop``
+drains it and ends it with status 0.
+
+Needs a Docker engine (``dockerd``) and ``debootstrap``: ``.ci/run`` installs and starts both.
+Without them the test skips, saying so; with ``PERSONAPLEX_TEST_CONTAINER=require`` (CI) it
+fails instead.  It costs minutes (docs/DEPLOYMENT.md, "The container image", has the figure).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.orch_support import REPO, Client, answers_ready, f32_append, run, speech_frames
+
+REQUIRED = os.environ.get("PERSONAPLEX_TEST_CONTAINER") == "require"
+SUITE = "bookworm"
+MIRROR = os.environ.get("PERSONAPLEX_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+BASE_PACKAGES = "python3,python3-venv,libopus0,curl,ca-certificates"
+
+
+def _unavailable() -> str | None:
+    if shutil.which("docker") is None:
+        return "no docker client"
+    if subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode != 0:
+        return "no Docker engine answers (dockerd)"
+    if shutil.which("debootstrap") is None:
+        return "no debootstrap"
+    if not glob.glob("/opt/wheels/torch-*.whl") and not os.environ.get("PERSONAPLEX_TEST_TORCH_WHEEL"):
+        return "no torch wheel to bring into the image (/opt/wheels or PERSONAPLEX_TEST_TORCH_WHEEL)"
+    return None
+
+
+def _docker(*args: str, timeout: float = 1200, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"docker {' '.join(args[:3])} failed ({done.returncode}):\n{done.stdout[-3000:]}"
+                             f"\n{done.stderr[-3000:]}")
+    return done
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory) -> str:
+    why = _unavailable()
+    if why is not None:
+        if REQUIRED:
+            pytest.fail(f"PERSONAPLEX_TEST_CONTAINER=require but {why}")
+        pytest.skip(why)
+    work = tmp_path_factory.mktemp("container")
+    tag = f"personaplex-test-{uuid.uuid4().hex[:8]}"
+    # The base: Debian with python3, as any registry's python image would have it.
+    rootfs = work / "rootfs"
+    subprocess.run(["debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", SUITE, str(rootfs), MIRROR],
+                   check=True, capture_output=True, timeout=1200)
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    imported = subprocess.run(["docker", "import", "-", f"{tag}-base"], stdin=tar.stdout, capture_output=True,
+                              text=True, timeout=600)
+    tar.wait()
+    assert imported.returncode == 0, imported.stderr
+    shutil.rmtree(rootfs, ignore_errors=True)
+    # The build context as .dockerignore lets it through, and this machine's torch wheel.
+    context = work / "context"
+    for name in ("engines", "orchestrator"):
+        shutil.copytree(REPO / name, context / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, context / name)
+    wheel = Path(os.environ.get("PERSONAPLEX_TEST_TORCH_WHEEL") or sorted(glob.glob("/opt/wheels/torch-*.whl"))[-1])
+    (context / "wheels").mkdir()
+    shutil.copy(wheel, context / "wheels" / wheel.name)
+    # This machine reaches the package index through a proxy that inspects TLS: its CAs go in.
+    (context / "certs").mkdir()
+    if Path("/etc/ssl/certs/ca-certificates.crt").is_file():
+        shutil.copy("/etc/ssl/certs/ca-certificates.crt", context / "certs" / "build-host.crt")
+    version = wheel.name.split("-")[1].split("+")[0]
+    try:
+        _docker("build", "--network", "host", "--build-arg", f"BASE_IMAGE={tag}-base",
+                "--build-arg", f"TORCH=torch=={version}", "-t", tag, str(context))
+        yield tag
+    finally:
+        _docker("rmi", "-f", tag, f"{tag}-base", check=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_image_serves_a_session_as_a_non_root_user_and_drains_on_stop(image: str):
+    port = _free_port()
+    name = f"{image}-run"
+    _docker("run", "-d", "--network", "host", "--name", name, "-e", "PERSONAPLEX_MAX_SESSIONS=2",
+            "-e", "PERSONAPLEX_CPU_THREADS=1", image, "--bind", f"127.0.0.1:{port}", "--workers", "2",
+            "--graceful-timeout", "5")
+    try:
+        deadline = time.monotonic() + 300
+        while not answers_ready(f"http://127.0.0.1:{port}"):
+            state = _docker("inspect", "-f", "{{.State.Running}}", name).stdout.strip()
+            if state != "true" or time.monotonic() > deadline:
+                done = _docker("logs", name, check=False)
+                raise AssertionError(f"not ready (running: {state}):\n{(done.stdout + done.stderr)[-4000:]}")
+            time.sleep(0.5)
+
+        async def session() -> None:
+            client = await Client.connect(f"ws://127.0.0.1:{port}/v1/realtime?duplex=1")
+            await client.open(temperature=0)
+            for frame in speech_frames(8):
+                await client.send(f32_append(frame))
+            pcm = await client.wait_audio_frames(8, timeout=120)
+            assert len(pcm) >= 8 * 1920
+            await client.close()
+
+        run(session())
+        # The server's processes run as the image's user, not root.
+        users = _docker("exec", "--user", "root", name, "sh", "-c",
+                        "for p in /proc/[0-9]*; do [ $p = /proc/$$ ] || stat -c %U $p; done").stdout.split()
+        assert users and set(users) == {"personaplex"}, users
+        started = time.monotonic()
+        _docker("stop", "-t", "30", name)
+        assert time.monotonic() - started < 30  # drained and ended, not killed at the timeout
+        assert _docker("inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip() == "0"
+        done = _docker("logs", name)
+        logs = done.stdout + done.stderr
+        assert "draining" in logs and "Traceback" not in logs, logs[-4000:]
+    finally:
+        _docker("rm", "-f", name, check=False)
