@@ -37,13 +37,20 @@ def live_sessions(url: str) -> int | None:
         return None
 
 
+# Looks in a row without an answer after which the server counts as gone: one slow or refused
+# answer (a busy event loop, a connection limit) must not end the wait and cut live calls.
+MISSES_GONE = 3
+
+
 def wait(url: str, deadline_s: float, poll_s: float) -> int | None:
-    """Poll until no session is live, the server stops answering, or ``deadline_s`` passes;
-    the last count (None: no answer)."""
+    """Poll until no session is live, the server has not answered ``MISSES_GONE`` times in a
+    row, or ``deadline_s`` passes; the last count (None: no answer)."""
     end = time.monotonic() + deadline_s
+    misses = 0
     while True:
         live = live_sessions(url)
-        if not live or time.monotonic() >= end:
+        misses = 0 if live is not None else misses + 1
+        if live == 0 or misses >= MISSES_GONE or time.monotonic() >= end:
             return live
         time.sleep(min(poll_s, max(0.0, end - time.monotonic())))
 

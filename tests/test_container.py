@@ -1,9 +1,9 @@
 """The container image, built and run for real: the Dockerfile on a base made here from Debian's
 packages (no image registry is reachable: ``debootstrap`` plus Debian's python3, passed as
 ``BASE_IMAGE``), torch from this machine's CPU wheel, the rest from the package index; then the
-image runs with ``--network host`` on loopback: ``/ready`` says ready, a client session streams
-speech and gets audio back, the server runs as the image's non-root user, and ``docker stop``
-drains it and ends it with status 0.
+image runs with ``--network host`` on loopback: ``--help`` is the server's own, ``/ready`` says
+ready, a client session streams speech and gets audio back, the server runs as the image's
+non-root user, and ``docker stop`` drains it and ends it with status 0.
 
 Needs a Docker engine (``dockerd``) and ``debootstrap``: ``.ci/run`` installs and starts both.
 Without them the test skips, saying so; with ``PERSONAPLEX_TEST_CONTAINER=require`` (CI) it
@@ -62,40 +62,49 @@ def image(tmp_path_factory) -> str:
     tag = f"personaplex-test-{uuid.uuid4().hex[:8]}"
     # The base: Debian with python3, as any registry's python image would have it.
     rootfs = work / "rootfs"
-    subprocess.run(["debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", SUITE, str(rootfs), MIRROR],
-                   check=True, capture_output=True, timeout=1200)
-    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-    imported = subprocess.run(["docker", "import", "-", f"{tag}-base"], stdin=tar.stdout, capture_output=True,
-                              text=True, timeout=600)
-    tar.wait()
-    assert imported.returncode == 0, imported.stderr
-    shutil.rmtree(rootfs, ignore_errors=True)
-    # The build context as .dockerignore lets it through, and this machine's torch wheel.
-    context = work / "context"
-    for name in ("engines", "orchestrator"):
-        shutil.copytree(REPO / name, context / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, context / name)
-    wheel = Path(os.environ.get("PERSONAPLEX_TEST_TORCH_WHEEL") or sorted(glob.glob("/opt/wheels/torch-*.whl"))[-1])
-    (context / "wheels").mkdir()
-    shutil.copy(wheel, context / "wheels" / wheel.name)
-    # This machine reaches the package index through a proxy that inspects TLS: its CAs go in.
-    (context / "certs").mkdir()
-    if Path("/etc/ssl/certs/ca-certificates.crt").is_file():
-        shutil.copy("/etc/ssl/certs/ca-certificates.crt", context / "certs" / "build-host.crt")
-    version = wheel.name.split("-")[1].split("+")[0]
     try:
+        subprocess.run(["debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", SUITE, str(rootfs),
+                        MIRROR], check=True, capture_output=True, timeout=1200)
+        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        imported = subprocess.run(["docker", "import", "-", f"{tag}-base"], stdin=tar.stdout, capture_output=True,
+                                  text=True, timeout=600)
+        tar.wait()
+        assert imported.returncode == 0, imported.stderr
+        shutil.rmtree(rootfs, ignore_errors=True)
+        # The build context as .dockerignore lets it through, and this machine's torch wheel.
+        context = work / "context"
+        for name in ("engines", "orchestrator"):
+            shutil.copytree(REPO / name, context / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md"):
+            shutil.copy(REPO / name, context / name)
+        wheel = Path(os.environ.get("PERSONAPLEX_TEST_TORCH_WHEEL") or sorted(glob.glob("/opt/wheels/torch-*.whl"))[-1])
+        (context / "wheels").mkdir()
+        shutil.copy(wheel, context / "wheels" / wheel.name)
+        # This machine reaches the package index through a proxy that inspects TLS: its CAs go in.
+        (context / "certs").mkdir()
+        if Path("/etc/ssl/certs/ca-certificates.crt").is_file():
+            shutil.copy("/etc/ssl/certs/ca-certificates.crt", context / "certs" / "build-host.crt")
+        version = wheel.name.split("-")[1].split("+")[0]
         _docker("build", "--network", "host", "--build-arg", f"BASE_IMAGE={tag}-base",
                 "--build-arg", f"TORCH=torch=={version}", "-t", tag, str(context))
         yield tag
     finally:
+        shutil.rmtree(rootfs, ignore_errors=True)
         _docker("rmi", "-f", tag, f"{tag}-base", check=False)
+        _docker("image", "prune", "-f", check=False)  # the build stage's layers
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_image_explains_itself(image: str):
+    """``docker run IMAGE --help``: the server's own help, every setting in it."""
+    done = _docker("run", "--rm", "--network", "none", image, "--help", timeout=120)
+    assert done.stdout.startswith("usage: personaplex-serve"), done.stdout[:500]
+    assert "--checkpoint / PERSONAPLEX_CHECKPOINT" in done.stdout and "PERSONAPLEX_MAX_SESSIONS" in done.stdout
 
 
 def test_the_image_serves_a_session_as_a_non_root_user_and_drains_on_stop(image: str):

@@ -55,10 +55,14 @@ def test_the_manifest_says_what_the_server_does():
     resources = {r["kind"]: r for r in _resources()}
     pod = resources["Deployment"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    assert container["readinessProbe"]["httpGet"]["path"] == "/ready?require_free_slot=1"
+    # Ready means able to serve, not "has a free slot" (a full pod must not be the first one
+    # Kubernetes deletes, nor block node drains).
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert container["startupProbe"]["httpGet"]["path"] == "/health"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["timeoutSeconds"] >= 3  # an answer asks each engine, 0.5 s at most
     # The grace period covers the preStop pause, the server's drain and the engines' stop.
     args = container["args"]
     graceful = float(args[args.index("--graceful-timeout") + 1])
@@ -98,5 +102,9 @@ def test_the_compose_files_name_what_exists(name: str):
         wanted = set(re.findall(r"presetenv (PP_\w+)", (REPO / "deploy" / "haproxy.cfg").read_text()))
         assert wanted <= set(compose["services"]["balancer"]["environment"])
         balancer_ip = compose["services"]["balancer"]["networks"]["personaplex"]["ipv4_address"]
-        for replica in ("replica1", "replica2"):
-            assert compose["services"][replica]["environment"]["PERSONAPLEX_TRUSTED_PROXIES"] == balancer_ip
+        for n, replica in enumerate(("replica1", "replica2"), start=1):
+            service = compose["services"][replica]
+            assert service["environment"]["PERSONAPLEX_TRUSTED_PROXIES"] == balancer_ip
+            # haproxy.cfg resolves its servers once: the replicas' addresses are fixed, and its.
+            address = service["networks"]["personaplex"]["ipv4_address"]
+            assert compose["services"]["balancer"]["environment"][f"PP_REPLICA{n}"] == f"{address}:8000"

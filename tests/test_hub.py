@@ -15,7 +15,7 @@ import pytest
 
 from engines.audio_io import write_wav
 from engines.errors import CheckpointError
-from engines.checkpoints.hub import RepoRef, parse_repo_ref, resolve_checkpoint
+from engines.checkpoints.hub import RepoRef, local_checkpoint, parse_repo_ref, resolve_checkpoint
 from engines.checkpoints.tiny import ensure_tiny_checkpoint
 from tests.hub_support import COMMIT, FakeHub, write_hub_cache
 
@@ -165,3 +165,26 @@ def test_the_tools_take_hf_repo(hub_env: Path, tiny_files, tmp_path: Path):
                               "--output-wav", str(tmp_path / "o.wav"), "--output-text", str(tmp_path / "o.json")],
                              env=env, capture_output=True, text=True, timeout=300)
     assert offload.returncode == 2 and "--cpu-offload is not supported" in offload.stderr
+
+
+def test_the_offline_start_check_finds_the_lm_file_config_json_names(hub_env: Path, tmp_path: Path, monkeypatch):
+    """``local_checkpoint`` (the check before start-up with HF_HUB_OFFLINE) looks for the LM
+    file that config.json names, not only the default name."""
+    from huggingface_hub import constants
+
+    from orchestrator.settings import Settings, SettingsError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_env))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"moshi_name": "lm-bf16.safetensors"}))
+    weights = tmp_path / "lm-bf16.safetensors"
+    weights.write_bytes(b"weights")
+    snapshot = write_hub_cache(hub_env, REPO, {"config.json": config, "lm-bf16.safetensors": weights})
+    assert local_checkpoint(REPO) == snapshot
+    Settings(checkpoint=REPO).check_checkpoint_available()  # no error: it is there
+    other = "nvidia/other-model"
+    write_hub_cache(hub_env, other, {"config.json": config})  # names a file the cache lacks
+    assert local_checkpoint(other) is None
+    with pytest.raises(SettingsError, match="is not in the local Hugging Face cache"):
+        Settings(checkpoint=other).check_checkpoint_available()

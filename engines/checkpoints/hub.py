@@ -99,8 +99,20 @@ def local_checkpoint(value: str) -> Path | None:
         return None
     import huggingface_hub
 
-    cached = huggingface_hub.try_to_load_from_cache(ref.repo_id, LM_FILE, revision=ref.revision)
-    return Path(cached).parent if isinstance(cached, str) else None
+    def cached(name: str) -> str | None:
+        found = huggingface_hub.try_to_load_from_cache(ref.repo_id, name, revision=ref.revision)
+        return found if isinstance(found, str) else None
+
+    lm_file = LM_FILE  # or the one the checkpoint's config.json names
+    config = cached(CONFIG_FILE)
+    if config is not None:
+        try:
+            named = json.loads(Path(config).read_text(encoding="utf-8") or "{}").get("moshi_name")
+        except (OSError, ValueError, AttributeError):
+            named = None
+        lm_file = named if isinstance(named, str) else LM_FILE
+    found = cached(lm_file)
+    return Path(found).parent if found is not None else None
 
 
 def download(ref: RepoRef, *, cache_dir: str | Path | None = None, local_name: str | None = None) -> Path:

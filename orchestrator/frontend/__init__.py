@@ -2,7 +2,6 @@
 to the engines.
 
 Runs on one asyncio event loop per hypercorn worker and never touches tensors.  A session's
-frames go to its engine through ``engine_link.py`` (the engine in an engine process, the
-default) or straight to a ``TickScheduler`` of this process (``PERSONAPLEX_ENGINE_HOST=thread``);
-``engine_pool.py`` places sessions over the engines, one per device.
+frames go to its engine, in an engine process, through its ``EnginePort``
+(``engine_link.py``); ``engine_pool.py`` places sessions over the engines, one per device.
 """
