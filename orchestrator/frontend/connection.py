@@ -35,7 +35,7 @@ from ..protocol.held_bytes import ITEM_BYTES, held_bytes
 from ..protocol.session_config import SessionConfig, parse_session_update, session_payload
 from .close_codes import REFUSAL_CLOSE_CODES, REFUSAL_DEFAULT, SESSION_CLOSE_CODES, close_socket
 from .engine_pool import DeviceEngine
-from .inbound import InboundOverflow
+from .inbound import ClientMessages, InboundOverflow
 from .limits import EventRate
 from .memory_bound import max_session_object_bytes
 from .services import Services
@@ -222,40 +222,22 @@ class Connection:
 
     async def _serve(self, session: Session) -> str:
         """Read client events until one closes the session; returns the close reason."""
-        loop = asyncio.get_running_loop()
-        last_event = loop.time()
-        receive: asyncio.Future | None = None
+        messages = ClientMessages(self.ws, session, lambda: session.config.idle_timeout_s)
         try:
             while True:
-                if receive is None:
-                    receive = asyncio.ensure_future(self.ws.receive())
-                timeout = last_event + session.config.idle_timeout_s - loop.time()
-                if timeout <= 0:
-                    return "timeout"
-                await asyncio.wait((receive, session.stop), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                if session.stop.done():
-                    return session.stop.result()
-                if receive.done():
-                    done, receive = receive, None
-                    try:
-                        message = done.result()
-                    except InboundOverflow as exc:
-                        session.emit_error(exc.client_error())
-                        return "input_backpressure"
-                    finally:
-                        del done
-                    last_event = loop.time()
-                    if not self._rate.allow(_size(message)):
-                        message = None  # not held while the error is written
-                        await self._rate_limited(session)
-                        continue
-                    reason = self._take(session, message)
-                    message = None  # not held while the next one is awaited
-                    if reason is not None:
-                        return reason
+                message = await messages.next()
+                if messages.ended is not None:
+                    return messages.ended
+                if not self._rate.allow(_size(message)):
+                    message = None  # not held while the error is written
+                    await self._rate_limited(session)
+                    continue
+                reason = self._take(session, message)
+                message = None  # not held while the next one is awaited
+                if reason is not None:
+                    return reason
         finally:
-            if receive is not None:
-                receive.cancel()
+            messages.close()
 
     def _take(self, session: Session, message: Any) -> str | None:
         """One client message within the rate limits; returns a close reason if it ends the session."""

@@ -22,10 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..protocol.errors import ProtocolError
 from ..protocol.held_bytes import ITEM_BYTES, held_bytes
+
+if TYPE_CHECKING:
+    from .session_core import SessionCore
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,53 @@ class InboundOverflow(Exception):
     def client_error(self) -> ProtocolError:
         """What the client is told, on either route, before the connection ends."""
         return ProtocolError("input_backpressure", f"{self}; send messages no faster than the server reads them")
+
+
+class ClientMessages:
+    """An open session's client messages in arrival order, for both routes' serve loops.
+    ``next()`` gives the next one (which may itself be None: an empty message) until the
+    session has stopped, the client has sent nothing for ``idle_timeout_s()`` (read at every
+    wait: a session may change it), or more waited than the inbound queue holds (the client is
+    told); then ``ended`` holds the close reason.  ``close()`` cancels the receive still pending."""
+
+    def __init__(self, ws: Any, session: "SessionCore", idle_timeout_s: Callable[[], float]) -> None:
+        self._ws = ws
+        self._session = session
+        self._idle_timeout_s = idle_timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self._receive: asyncio.Future | None = None
+        self.ended: str | None = None
+
+    async def next(self) -> Any:
+        session = self._session
+        while True:
+            if self._receive is None:
+                self._receive = asyncio.ensure_future(self._ws.receive())
+            timeout = self._last + self._idle_timeout_s() - self._loop.time()
+            if timeout <= 0:
+                self.ended = "timeout"
+                return None
+            await asyncio.wait((self._receive, session.stop), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if session.stop.done():
+                self.ended = session.stop.result()
+                return None
+            if self._receive.done():
+                done, self._receive = self._receive, None
+                try:
+                    message = done.result()
+                except InboundOverflow as exc:
+                    session.emit_error(exc.client_error())
+                    self.ended = "input_backpressure"
+                    return None
+                finally:
+                    del done
+                self._last = self._loop.time()
+                return message
+
+    def close(self) -> None:
+        if self._receive is not None:
+            self._receive.cancel()
 
 
 class InboundQueue:

@@ -35,7 +35,7 @@ from ..protocol import native
 from ..protocol.errors import ProtocolError
 from .close_codes import REFUSAL_CLOSE_CODES, REFUSAL_DEFAULT, SESSION_CLOSE_CODES, close_socket
 from .engine_pool import DeviceEngine
-from .inbound import InboundOverflow
+from .inbound import ClientMessages
 from .limits import EventRate
 from .native_session import PROTOCOL, NativeSession
 from .session_core import send_outbox
@@ -114,35 +114,16 @@ class NativeConnection:
     # The open session -------------------------------------------------------------------------
     async def _serve(self, session: NativeSession) -> str:
         """Read client messages until the session ends; returns the close reason."""
-        loop = asyncio.get_running_loop()
-        idle_timeout = self.settings.idle_timeout_s
-        last_message = loop.time()
-        receive: asyncio.Future | None = None
+        messages = ClientMessages(self.ws, session, lambda: self.settings.idle_timeout_s)
         try:
             while True:
-                if receive is None:
-                    receive = asyncio.ensure_future(self.ws.receive())
-                timeout = last_message + idle_timeout - loop.time()
-                if timeout <= 0:
-                    return "timeout"
-                await asyncio.wait((receive, session.stop), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-                if session.stop.done():
-                    return session.stop.result()
-                if receive.done():
-                    done, receive = receive, None
-                    try:
-                        message = done.result()
-                    except InboundOverflow as exc:
-                        session.emit_error(exc.client_error())
-                        return "input_backpressure"
-                    finally:
-                        del done
-                    last_message = loop.time()
-                    self._take(session, message)
-                    message = None  # not held while the next one is awaited
+                message = await messages.next()
+                if messages.ended is not None:
+                    return messages.ended
+                self._take(session, message)
+                message = None  # not held while the next one is awaited
         finally:
-            if receive is not None:
-                receive.cancel()
+            messages.close()
 
     def _take(self, session: NativeSession, message: Any) -> None:
         size = len(message) if isinstance(message, (str, bytes)) else 0
