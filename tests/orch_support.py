@@ -59,6 +59,13 @@ def pcm16_b64(samples: np.ndarray) -> str:
     return base64.b64encode(np.clip(np.rint(samples * 32767), -32768, 32767).astype("<i2").tobytes()).decode()
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (for a process the test starts)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def answers_ready(http: str) -> bool:
     """Whether the server at ``http`` (``http://HOST:PORT``) answers ``/ready`` with 200 now."""
     try:

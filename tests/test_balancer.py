@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import websockets
 
-from tests.orch_support import FRAME, REPO, Client, Server, delta_pcm, f32_append, run, speech_frames
+from tests.orch_support import FRAME, REPO, Client, Server, delta_pcm, f32_append, free_port, run, speech_frames
 
 HAPROXY = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
 pytestmark = pytest.mark.skipif(HAPROXY is None,
@@ -45,20 +45,14 @@ NAMES = ("replica1", "replica2")  # the server lines of deploy/haproxy.cfg
 BACKEND = "personaplex"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class Balancer:
     """``haproxy -f deploy/haproxy.cfg`` with the replicas' addresses in its environment; its
     runtime API (the admin socket) reports what HAProxy thinks of each replica."""
 
     def __init__(self, workdir: Path, replicas: dict[str, Server]) -> None:
         self.admin_socket = workdir / "admin.sock"
-        port = _free_port()
-        env = {**os.environ, "PP_LISTEN": f"127.0.0.1:{port}", "PP_STATS": f"127.0.0.1:{_free_port()}",
+        port = free_port()
+        env = {**os.environ, "PP_LISTEN": f"127.0.0.1:{port}", "PP_STATS": f"127.0.0.1:{free_port()}",
                "PP_ADMIN_SOCKET": str(self.admin_socket)}
         env.update({f"PP_{name.upper()}": f"127.0.0.1:{server.port}" for name, server in replicas.items()})
         self.log: deque[str] = deque(maxlen=2000)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.orch_support import REPO, Client, answers_ready, f32_append, run, speech_frames
+from tests.orch_support import REPO, Client, answers_ready, f32_append, free_port, run, speech_frames
 
 REQUIRED = os.environ.get("PERSONAPLEX_TEST_CONTAINER") == "require"
 SUITE = "bookworm"
@@ -94,12 +93,6 @@ def image(tmp_path_factory) -> str:
         _docker("image", "prune", "-f", check=False)  # the build stage's layers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_image_explains_itself(image: str):
     """``docker run IMAGE --help``: the server's own help, every setting in it."""
     done = _docker("run", "--rm", "--network", "none", image, "--help", timeout=120)
@@ -108,7 +101,7 @@ def test_the_image_explains_itself(image: str):
 
 
 def test_the_image_serves_a_session_as_a_non_root_user_and_drains_on_stop(image: str):
-    port = _free_port()
+    port = free_port()
     name = f"{image}-run"
     _docker("run", "-d", "--network", "host", "--name", name, "-e", "PERSONAPLEX_MAX_SESSIONS=2",
             "-e", "PERSONAPLEX_CPU_THREADS=1", image, "--bind", f"127.0.0.1:{port}", "--workers", "2",

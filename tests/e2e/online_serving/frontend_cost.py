@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
-from tests.orch_support import answers_ready
+from tests.orch_support import answers_ready, free_port
 
 REPO = Path(__file__).resolve().parents[3]
 MESSAGES_PER_FRAME = 3  # append in; audio delta and transcript delta out
@@ -62,12 +62,6 @@ def worker_pid(master: int, timeout_s: float = 30.0) -> int:
                 return int(child)
         time.sleep(0.2)
     raise RuntimeError("hypercorn started no worker process")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
