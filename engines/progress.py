@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 # The phases, in the order a start goes through them.
+COMPILE_ARTIFACTS = "compile artifacts"  # filling torch.compile's caches from a portable file
 CHECKPOINT = "checkpoint"  # finding or downloading the files
 WEIGHTS = "weights"  # reading them onto the device
 WARM_UP = "warm-up"  # the first frames through a throwaway slot (prefill, compilation)

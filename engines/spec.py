@@ -95,6 +95,9 @@ class EngineSpec:
     window: str = WindowMode.REFERENCE
     kv_cache: str = "auto"
     compile: str = "auto"  # auto (on for CUDA), on, off
+    # torch.compile's portable artifacts (engines/fastpath/compile_artifacts.py): "auto" = in
+    # the cache directory, "off", or a directory.
+    compile_artifacts: str = "auto"
     weights: str = "auto"
     voice_dir: str | Path | None = None  # more voices, served ahead of the checkpoint's
     cpu_threads: int = 0  # torch's intra-op threads for an engine on the CPU; 0: torch's default

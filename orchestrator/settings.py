@@ -94,6 +94,11 @@ class Settings:
     # torch.compile the GPU fast path's layer blocks: auto = on for CUDA, off on CPU (where
     # the eager path is the exact reference); compiling adds a minute or two to start-up.
     compile: str = "auto"
+    # torch.compile's work in one portable file per GPU model and weight/KV format
+    # (engines/fastpath/compile_artifacts.py), read before the first compilation and written
+    # after a start that compiled: "auto" = compile/artifacts in the cache directory, "off",
+    # or a directory (an image's or a volume's, so a new replica starts like a restart).
+    compile_artifacts: str = "auto"
     # torch's intra-op threads in an engine on the CPU (the demo model); 0 = torch's default,
     # one per core.  One: the tiny model's tick is ~10 % slower on an idle host, and keeps its
     # pace on a busy one, where several threads wait for each other's turn on a core (with two
@@ -302,6 +307,7 @@ class Settings:
 
         return EngineSpec(checkpoint=self.checkpoint, max_slots=self.resolved_max_sessions(device), device=device,
                           backend=self.backend, window=self.window, kv_cache=self.kv_cache, compile=self.compile,
+                          compile_artifacts=self.compile_artifacts,
                           weights=self.weights, voice_dir=self.voice_dir, cpu_threads=self.cpu_threads,
                           memory=self.memory_settings())
 

@@ -26,6 +26,8 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("kv_cache", "auto (the model dtype) or fp8 (half the KV memory per session, CUDA)"),
         ("weights", "auto (as stored) or fp8 (LM projections quantized at load: ~9 GB instead of ~17)"),
         ("compile", "torch.compile the GPU fast path: auto (on for CUDA), on, off"),
+        ("compile_artifacts", "torch.compile's portable artifacts: auto (in the cache directory), off, or a "
+                              "directory (an image's or a volume's): a new machine starts like a restart"),
         ("cpu_threads", "torch intra-op threads of an engine on the CPU; 0: torch's default"),
     )),
     ("Capacity and device memory", (

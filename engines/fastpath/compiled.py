@@ -17,6 +17,7 @@ import torch
 from engines.config import default_cache_dir
 
 F = TypeVar("F", bound=Callable)
+T = TypeVar("T")
 
 # Variants dynamo keeps per function before it quietly falls back to eager (8 by default):
 # a size-1 and a dynamic batch, per module instance (the encoder and decoder share SEANet's
@@ -41,6 +42,29 @@ def use_persistent_caches(root: str | Path | None = None) -> Path:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", str(base / "triton"))
     return base
+
+
+def static_shapes(tensors: T) -> T:
+    """``tensors`` (a tensor, or tuples of them and None, nested) with their shapes marked
+    static for ``compile_dynamic``'d functions they are passed to, and returned.
+
+    With dynamic shapes every dimension of every tensor argument gets a symbol unless it is an
+    ``nn.Parameter``'s; slices of parameters (one depformer step's weights) are not, so each of
+    their dimensions became a symbol that tracing, Inductor's reasoning and every guard check
+    carried.  Marked static, the depformer step (6 layers, 3 variants, 7B shapes) compiled in
+    44 s instead of 86 s and loaded from the caches in 9 s instead of 26 s (2-core CPU,
+    Inductor's C++ backend: docs/PERFORMANCE.md, "Start-up budgets").  The mark lives on the
+    tensor object: keep the marked objects and pass those same ones on every call."""
+    import torch._dynamo
+
+    if isinstance(tensors, torch.Tensor):
+        torch._dynamo.mark_static(tensors)
+    elif isinstance(tensors, tuple):
+        for item in tensors:
+            static_shapes(item)
+    elif tensors is not None:
+        raise TypeError(f"static_shapes takes tensors, tuples of them and None, not {type(tensors).__name__}")
+    return tensors
 
 
 def compile_dynamic(fn: F, fullgraph: bool = True) -> F:

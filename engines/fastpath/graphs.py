@@ -32,18 +32,18 @@ class _Graph:
     out_text: torch.Tensor
 
 
-def tick_buckets(requested: tuple[int, ...], num_slots: int, compiled: bool,
-                 lone_slot: bool = False) -> list[int]:
+def tick_buckets(requested: tuple[int, ...], num_slots: int, compiled: bool) -> list[int]:
     """The batch sizes that get a graph: the requested ones below the slot count, and the
-    slot count itself.  A compiled tick has no graph for a lone slot unless ``lone_slot``:
-    torch specialises a dimension of size 1, so a batch of exactly one is a compilation of
-    its own (~14 s of every start at 7B shapes, from the cache or not), while with bf16
-    weights one live slot padded to two costs about the same GPU time (cuBLAS reads the
-    weights once either way).  fp8 weights' few-row product (``fastpath.fp8_gemv``) does
-    work per row: there a lone slot's own graph saves ~0.6 ms of every tick (H200, summed from
-    the per-product times of one and two rows; not measured as a tick)."""
+    slot count itself.  A compiled tick has no graph for a lone slot: torch specialises a
+    dimension of size 1, so a batch of exactly one is a compilation of its own (~14 s of every
+    restart at 7B shapes, 99 s of a first start with fp8 weights: docs/PERFORMANCE.md), while
+    one live slot padded to two costs about the same GPU time with bf16 weights (cuBLAS reads
+    the weights once either way).  With fp8 weights the few-row product
+    (``fastpath.fp8_gemv``) does work per row: a lone slot's own graph would save an estimated
+    ~0.6 ms of its tick (summed from the per-product times of one and two rows on the H200),
+    not worth a compilation at every start (issue 36)."""
     buckets = {b for b in requested if b < num_slots} | {num_slots}
-    if compiled and num_slots >= 2 and not lone_slot:
+    if compiled and num_slots >= 2:
         buckets = (buckets - {1}) | {2}
     return sorted(buckets)
 
@@ -51,8 +51,7 @@ def tick_buckets(requested: tuple[int, ...], num_slots: int, compiled: bool,
 class TickGraphs:
     def __init__(self, engine, buckets: tuple[int, ...]) -> None:
         self.engine = engine
-        self.buckets = tick_buckets(buckets, engine.num_slots, engine.options.compile,
-                                    lone_slot=engine.lm.fp8_matmul is not None)
+        self.buckets = tick_buckets(buckets, engine.num_slots, engine.options.compile)
         self._graphs: dict[tuple[int, bool], _Graph] = {}  # by (bucket, greedy)
         self._pool = torch.cuda.graph_pool_handle()
         # Pinned staging buffers: the per-tick uploads are true async copies, with no

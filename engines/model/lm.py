@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.fastpath.compiled import compile_dynamic
+from engines.fastpath.compiled import compile_dynamic, static_shapes
 from engines.config import LMConfig
 from engines.state.kv_ring import SlotKVRing, WindowMode, window_start
 from engines.state.prompt_kv import PromptKV
@@ -151,6 +151,9 @@ class MoshiLM(nn.Module):
         self._attention_output_ffn = attention_output_ffn
         self._embed_streams = embed_streams
         self._depformer_step = depformer_step
+        # Each codebook step's weights, built once and marked static, once compiled
+        # (``compile_blocks``); None: built per call.
+        self._step_weights: list[DepformerStepWeights] | None = None
 
     def compile_blocks(self) -> None:
         """Replace the layer halves with ``torch.compile``d versions (GPU fast path).
@@ -169,6 +172,11 @@ class MoshiLM(nn.Module):
         # depformer runs 8 of them per tick at a few rows, where each kernel's launch on the
         # GPU costs more than its work.
         self._depformer_step = compile_dynamic(depformer_step)
+        # The step's weights are slices of parameters: plain tensors, so without the static
+        # mark every dimension of each would be symbolic (``fastpath.compiled.static_shapes``).
+        # Views: they follow the parameters' storage, which is loaded before this is called
+        # and never replaced after.
+        self._step_weights = [static_shapes(self._build_step_weights(k)) for k in range(self.depformer_steps)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -262,6 +270,11 @@ class MoshiLM(nn.Module):
 
     def depformer_step_weights(self, k: int) -> DepformerStepWeights:
         """``depformer_step``'s weights of codebook step ``k``."""
+        if self._step_weights is not None:
+            return self._step_weights[k]
+        return self._build_step_weights(k)
+
+    def _build_step_weights(self, k: int) -> DepformerStepWeights:
         fp8 = self.fp8_matmul is not None
         layers = tuple(
             (layer.norm1, layer.in_proj[k], layer.in_proj_scale[k] if fp8 else None, layer.out_proj[k], layer.norm2,

@@ -96,6 +96,13 @@ def build_engine(spec: EngineSpec) -> Engine:
         from engines.fastpath.compiled import use_persistent_caches
 
         use_persistent_caches()
+    artifacts = None
+    if spec.compiled and spec.backend == "torch":  # before the first compilation
+        from engines.fastpath.compile_artifacts import CompileArtifacts
+
+        artifacts = CompileArtifacts.for_device(spec.compile_artifacts, device, spec.weights, spec.kv_cache)
+        if artifacts is not None:
+            artifacts.load()
     random_model = random_model_name(spec.checkpoint)
     if random_model is not None:
         engine = create_random_engine(random_model, spec)
@@ -106,6 +113,8 @@ def build_engine(spec: EngineSpec) -> Engine:
 
         engine = create_trtllm_engine(spec.checkpoint, max_slots=spec.max_slots, device=device, window=spec.window,
                                       kv_cache=spec.kv_cache)
+    if artifacts is not None:
+        engine.compile_artifacts = artifacts  # written once the start has compiled everything
     if spec.voice_dir is not None:
         names = engine.voice_store.add_directory(spec.voice_dir)
         log.info("serving %d voice(s) from %s: %s", len(names), spec.voice_dir, ", ".join(names) or "none")

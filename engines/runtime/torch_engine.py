@@ -350,6 +350,21 @@ class PersonaPlexEngine(EngineRuntime):
         embeddings = torch.stack([c.reshape(1, 1, -1) for c in captured]).to(torch.bfloat16).cpu()
         return {"embeddings": embeddings, "cache": cache.unsqueeze(0).cpu()}
 
+    # torch.compile's portable artifacts of this start (set by ``factory.build_engine`` on a
+    # compiled CUDA engine; ``finish_compiling`` writes them).
+    compile_artifacts = None
+
+    def finish_compiling(self) -> None:
+        """Once the start has compiled everything (graphs captured, the memory plan's dry run
+        done): log what torch.compile did and write the portable artifacts for the next start."""
+        if not self.options.compile:
+            return
+        from engines.fastpath.compile_artifacts import compile_report
+
+        log.info("torch.compile this start: %s", compile_report())
+        if self.compile_artifacts is not None:
+            self.compile_artifacts.save()
+
     def capture_graphs(self) -> None:
         """Capture the tick graphs of every batch bucket (sampling, and all greedy), the
         prefill graph of every prompt bucket and the split prefill's piece graph now

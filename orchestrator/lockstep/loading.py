@@ -63,6 +63,9 @@ class EngineLoad:
                 # does not fit ends the load with one line saying what does.
                 plan = engine.settle_memory_plan() if hasattr(engine, "settle_memory_plan") else None
                 self.memory_plan = plan.as_dict() if plan is not None else None
+                # Everything compiled: what it cost, and the portable artifacts for the next start.
+                if hasattr(engine, "finish_compiling"):
+                    engine.finish_compiling()
         except BaseException as exc:  # noqa: BLE001 - reported through /health and opens
             if isinstance(exc, _INPUT_LOAD_ERRORS) or type(exc).__name__ == "OutOfMemoryError":
                 # What the operator gave or has (files, memory): their message says it all.
