@@ -7,11 +7,12 @@
 # Usage (repository root): OUT=/tmp/out [WEIGHTS=fp8] bash tests/e2e/online_serving/h200_startup_run.sh [CASE ...]
 # (default: all three, in that order; each case's server log and startup.txt go in
 # $OUT/CASE-server.tgz).  MAX_SESSIONS defaults to auto (the memory plan's wall).
+# ROOT (a directory) keeps the caches and artifacts between calls.
 # TORCH_LOGS=dynamo,recompiles puts torch.compile's per-graph timeline in the server logs.
 set -uo pipefail
 out=${OUT:?set OUT}
 here=$(cd "$(dirname "$0")" && pwd)
-root=$(mktemp -d /tmp/startup-XXXX)
+root=${ROOT:-$(mktemp -d /tmp/startup-XXXX)}  # ROOT: a previous run's, for its caches and artifacts
 export PERSONAPLEX_COMPILE_ARTIFACTS=$root/artifacts PERSONAPLEX_WEIGHTS=${WEIGHTS:-auto}
 export MAX_SESSIONS=${MAX_SESSIONS:-auto} TORCH_LOGS=${TORCH_LOGS:-dynamo,recompiles}
 cases=("$@")
