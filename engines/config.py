@@ -28,10 +28,16 @@ DEFAULT_PERSONA = (
     "and engaging way."
 )
 DEFAULT_VOICE = "NATF2.pt"
-# Temporal KV cache storage: the model's dtype, or float8 with per-(position, head) scales.
-KV_CACHE_MODES = ("auto", "fp8")
+# Temporal KV cache storage: the model's dtype, or 8 bits per element with a float32 scale per
+# (position, head): float8 e4m3 (GPUs of compute capability >= 8.9), or int8 (any GPU: A100s
+# have no e4m3).
+KV_CACHE_MODES = ("auto", "fp8", "int8")
+# The modes above that store one byte per element beside its scales (``state.kv_ring``).
+SCALED_KV_CACHES = ("fp8", "int8")
 # Weight and activation dtypes a TensorRT-LLM build may use (convert_checkpoint.py --dtype).
 BUILD_DTYPES = ("bfloat16", "float16", "float32")
+# Its KV cache dtypes (--kv-cache-dtype): the converter writes fp8's scales, no int8 ones.
+BUILD_KV_CACHE_DTYPES = ("auto", "fp8")
 # The engines a server can run: the PyTorch one, or a TensorRT-LLM build (engines/runtime/trtllm).
 BACKENDS = ("torch", "trtllm")
 
@@ -45,12 +51,14 @@ class WindowMode:
 
 
 def kv_window_bytes(num_layers: int, num_heads: int, capacity: int, head_dim: int, element_bytes: int,
-                    fp8: bool) -> int:
+                    kv_cache: str) -> int:
     """Device bytes of one session's temporal KV window: keys and values of ``capacity``
-    positions, in elements of ``element_bytes``, or in fp8 with a float32 scale per
-    (position, head) (``state.kv_ring``)."""
+    positions, in elements of ``element_bytes`` (``kv_cache`` "auto"), or of one byte with a
+    float32 scale per (position, head) ("fp8", "int8": ``state.kv_ring``)."""
     positions = num_layers * num_heads * capacity
-    return 2 * positions * ((head_dim + 4) if fp8 else head_dim * element_bytes)
+    return 2 * positions * ((head_dim + 4) if kv_cache in SCALED_KV_CACHES else head_dim * element_bytes)
+
+
 # LM weight storage: the model's dtype, or fp8 projections and FFNs (engines.model.fp8_weights).
 WEIGHT_MODES = ("auto", "fp8")
 # torch.compile of the GPU pieces: on, off, or on for CUDA devices only.

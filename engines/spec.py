@@ -66,6 +66,10 @@ def check_engine_options(values: dict[str, Any], name: Callable[[str], str] = st
     if backend != "torch" and values.get("weights", "auto") != "auto":
         raise SpecError(f"{name('weights')}={values['weights']} needs {name('backend')}=torch (a TensorRT-LLM "
                         "engine's weight precision is fixed when it is built)")
+    if backend != "torch" and values.get("kv_cache") == "int8":
+        # (fp8 is only warned about there: a build converted with --kv-cache-dtype fp8 has it.)
+        raise SpecError(f"{name('kv_cache')}=int8 needs {name('backend')}=torch (a TensorRT-LLM engine's KV "
+                        "cache dtype is fixed when its checkpoint is converted: --kv-cache-dtype)")
     if backend == "trtllm" and "checkpoint" in values and values["checkpoint"] is None:
         raise SpecError(f"{name('backend')}=trtllm needs {name('checkpoint')} set to a build directory written "
                         "by convert_checkpoint.py")
@@ -81,6 +85,27 @@ def check_engine_options(values: dict[str, Any], name: Callable[[str], str] = st
                             f"{name('backend')}=torch")
     if values.get("cpu_threads", 0) < 0:
         raise SpecError(f"{name('cpu_threads')} must be >= 0, got {values['cpu_threads']}")
+
+
+# float8 e4m3, the fp8 KV cache's element type, exists from compute capability 8.9 (Ada,
+# Hopper); Triton refuses to compile it for older GPUs (A100: 8.0).
+FP8_KV_MIN_CAPABILITY = (8, 9)
+
+
+def choose_kv_cache(requested: str, capability: tuple[int, int] | None, name: Callable[[str], str] = str) -> str:
+    """The KV cache storage an engine uses for the ``requested`` mode (``KV_CACHE_MODES``) on a
+    device of CUDA compute ``capability`` (None: not a CUDA device).  ``auto`` stays the model
+    dtype everywhere: the 8-bit caches trade accuracy for sessions, the operator's choice
+    (docs/PERFORMANCE.md, "fp8 KV cache: error").  ``fp8`` on a GPU older than 8.9 is refused
+    with one line pointing at ``int8``, the same bytes without e4m3; on the CPU both 8-bit
+    kinds run (eagerly).  Raises ``SpecError``; ``name`` as in ``check_engine_options``."""
+    if requested not in KV_CACHE_MODES:
+        raise SpecError(f"{name('kv_cache')} must be one of {', '.join(KV_CACHE_MODES)}, got {requested!r}")
+    if requested == "fp8" and capability is not None and tuple(capability) < FP8_KV_MIN_CAPABILITY:
+        major, minor = capability
+        raise SpecError(f"{name('kv_cache')}=fp8 needs a GPU of compute capability 8.9 or newer (float8 e4m3), "
+                        f"this one is {major}.{minor}: use {name('kv_cache')}=int8 (the same memory) or auto")
+    return requested
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,8 @@ class Settings:
     # Temporal KV cache storage: "auto" = the model dtype (bf16 on a GPU, float32 on CPU);
     # "fp8" = float8 e4m3 with per-(position, head) scales, half the memory and bandwidth
     # (CUDA only; ~1.65x the sessions per GPU; measured error: docs/PERFORMANCE.md, "fp8 KV
-    # cache: error").
+    # cache: error"); "int8" = the same with int8 values, for GPUs without e4m3 (compute
+    # capability < 8.9, the A100): docs/PERFORMANCE.md, "int8 KV cache".
     kv_cache: str = "auto"
     # LM weights: "auto" = as the checkpoint stores them (bf16; fp8 for a copy written by
     # convert_checkpoint.py --target torch-fp8); "fp8" = the projections and FFNs quantized to

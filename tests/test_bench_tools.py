@@ -18,7 +18,9 @@ def test_bench_configs_parse_and_reject_unknown_variants():
     assert BenchConfig.parse("bf16") == BenchConfig("bf16", "auto", False)
     assert BenchConfig.parse("fp8w+fp8+compile") == BenchConfig("fp8w+fp8+compile", "fp8", True, "fp8", "auto")
     assert BenchConfig.parse("fp8w-w8a16") == BenchConfig("fp8w-w8a16", "auto", False, "fp8", "w8a16")
-    for bad in ("fp16", "bf16+fast", "fp8+compile+x", "bf16+fp8", "fp8w+fp8w-w8a16", "compile+compile", ""):
+    assert BenchConfig.parse("int8+compile") == BenchConfig("int8+compile", "int8", True)
+    for bad in ("fp16", "bf16+fast", "fp8+compile+x", "bf16+fp8", "fp8+int8", "fp8w+fp8w-w8a16", "compile+compile",
+                ""):
         with pytest.raises(ValueError, match="bad config"):
             BenchConfig.parse(bad)
 

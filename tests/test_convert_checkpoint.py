@@ -267,6 +267,7 @@ def test_cli_choices_are_the_converters():
 
     choices = {action.dest: action.choices for action in cli.build_parser()._actions}
     assert set(choices["dtype"]) == set(llama.DTYPES) and tuple(choices["kv_cache_dtype"]) == llama.KV_CACHE_DTYPES
+    assert "int8" not in llama.KV_CACHE_DTYPES  # the torch engine's int8 cache has no converter counterpart
 
 
 def test_command_line_entry_point(tmp_path):

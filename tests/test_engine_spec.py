@@ -10,7 +10,7 @@ from orchestrator.settings import Settings, SettingsError
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("kv_cache", "int4", "must be one of auto, fp8, got 'int4'"),
+    ("kv_cache", "int4", "must be one of auto, fp8, int8, got 'int4'"),
     ("window", "sideways", "must be one of"),
     ("compile", "maybe", "must be one of auto, on, off"),
     ("backend", "onnx", "must be one of torch, trtllm"),

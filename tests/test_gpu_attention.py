@@ -43,19 +43,23 @@ def test_matches_direct_attention_over_wrapped_windows(dtype, C, D):
         assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
 @pytest.mark.parametrize("C, D", [(3000, 128), (37, 64)])
-def test_fp8_cache_matches_direct_attention_over_its_dequantised_window(C, D):
-    from engines.state.kv_ring import dequantize_fp8, quantize_fp8
+def test_8bit_cache_matches_direct_attention_over_its_dequantised_window(C, D, kind):
+    from engines.state.kv_ring import SCALED_STORAGE
 
+    if kind == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 e4m3 needs compute capability 8.9")
+    _, quantize, dequantize = SCALED_STORAGE[kind]
     g = torch.Generator(device="cuda").manual_seed(1)
     S, H = 5, 4
     spread = torch.logspace(-2, 1, H, device="cuda").view(1, H, 1, 1)  # heads of unequal size
-    kq, ks = quantize_fp8(torch.randn(S, H, C, D, device="cuda", generator=g) * spread)
-    vq, vs = quantize_fp8(torch.randn(S, H, C, D, device="cuda", generator=g) * spread)
+    kq, ks = quantize(torch.randn(S, H, C, D, device="cuda", generator=g) * spread)
+    vq, vs = quantize(torch.randn(S, H, C, D, device="cuda", generator=g) * spread)
     slots = torch.tensor([4, 0, 2], device="cuda")
     q_pos = torch.tensor([3 * C + 11, C - 1, 5], device="cuda")
     lo = q_pos - C + 2
     q = torch.randn(3, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
     got = attention.decode_attention(q, kq, vq, slots, q_pos, lo, scales=(ks, vs)).float()
-    want = expected(q, dequantize_fp8(kq, ks, torch.float32), dequantize_fp8(vq, vs, torch.float32), slots, q_pos, lo)
+    want = expected(q, dequantize(kq, ks, torch.float32), dequantize(vq, vs, torch.float32), slots, q_pos, lo)
     assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (got - want).abs().max()

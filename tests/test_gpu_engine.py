@@ -97,16 +97,20 @@ def test_bf16_gpu_tick_runs_and_stays_close(tiny_checkpoint, frames, tmp_path):
         assert (rel < BF16_GPU_LOGIT_ERROR and agree >= BF16_GPU_ARGMAX_AGREEMENT) == close, (name, rel, agree)
 
 
-@pytest.mark.parametrize("options", [dict(compile=True), dict(kv_cache="fp8"), dict(kv_cache="fp8", compile=True)],
-                         ids=["compile", "fp8", "fp8+compile"])
+@pytest.mark.parametrize("options", [dict(compile=True), dict(kv_cache="fp8"), dict(kv_cache="fp8", compile=True),
+                                     dict(kv_cache="int8"), dict(kv_cache="int8", compile=True)],
+                         ids=["compile", "fp8", "fp8+compile", "int8", "int8+compile"])
 def test_float32_fast_path_variants_against_cpu(tiny_checkpoint, frames, no_tf32, options):
-    """The compiled blocks and the fp8 cache on the graphed GPU tick, float32 weights.
+    """The compiled blocks and the 8-bit caches on the graphed GPU tick, float32 weights.
 
     Compilation only re-associates float32 arithmetic: the greedy tokens must stay the CPU
-    reference's.  The fp8 cache is lossy: its text logits are compared teacher-forced.
+    reference's.  The fp8 and int8 caches are lossy: their text logits are compared
+    teacher-forced.  (fp8 needs compute capability 8.9; int8 runs on any GPU.)
     """
     from tests.test_kv_fp8 import _tiny_logits
 
+    if options.get("kv_cache") == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 e4m3 needs compute capability 8.9")
     files = ckpt.locate(tiny_checkpoint)
     cpu = PersonaPlexEngine.from_files(files, 4, EngineOptions())
     gpu = PersonaPlexEngine.from_files(files, 4, EngineOptions(device="cuda", lm_dtype="float32", **options))

@@ -32,13 +32,13 @@ def test_quantize_round_trip_error_is_bounded_per_head_vector():
 
 
 def test_kv_bytes_per_slot_of_the_7b_window():
-    bf16 = kv_bytes_per_slot(32, 32, 3000, 128, torch.bfloat16, fp8=False)
-    fp8 = kv_bytes_per_slot(32, 32, 3000, 128, torch.bfloat16, fp8=True)
+    bf16 = kv_bytes_per_slot(32, 32, 3000, 128, torch.bfloat16, "auto")
+    fp8 = kv_bytes_per_slot(32, 32, 3000, 128, torch.bfloat16, "fp8")
     assert bf16 == 2 * 32 * 32 * 3000 * 128 * 2  # 1.57 GB
     assert fp8 / bf16 == pytest.approx(132 / 256)
-    ring = SlotKVRing(2, 3, 4, 16, 8, fp8=True)
+    ring = SlotKVRing(2, 3, 4, 16, 8, kv_cache="fp8")
     held = sum(t.numel() * t.element_size() for t in (ring.keys, ring.values, ring.key_scales, ring.value_scales))
-    assert held == 3 * kv_bytes_per_slot(2, 4, 16, 8, torch.float32, fp8=True)
+    assert held == 3 * kv_bytes_per_slot(2, 4, 16, 8, torch.float32, "fp8")
 
 
 def _attend_sequence(ring: SlotKVRing, seq_k, seq_v, seq_q, slots, window=WindowMode.REFERENCE):
@@ -59,7 +59,7 @@ def test_fp8_ring_attention_tracks_the_exact_ring_over_a_wrapped_window():
     k, v, q = (torch.randn(B, H, N, D, generator=g) for _ in range(3))
     slots = torch.tensor([2, 0])
     exact = _attend_sequence(SlotKVRing(1, 3, H, C, D), k, v, q, slots)
-    ring8 = SlotKVRing(1, 3, H, C, D, fp8=True)
+    ring8 = SlotKVRing(1, 3, H, C, D, kv_cache="fp8")
     approx = _attend_sequence(ring8, k, v, q, slots)
     rel = (approx - exact).norm() / exact.norm()
     assert rel < 0.05, rel
@@ -67,7 +67,7 @@ def test_fp8_ring_attention_tracks_the_exact_ring_over_a_wrapped_window():
     # losslessly (a value already on the fp8 grid of its scale stays there).
     keys, values = ring8.export(2, N - C, N)
     assert keys.dtype == torch.float32 and keys.shape == (1, H, C, D)
-    fresh = SlotKVRing(1, 3, H, C, D, fp8=True)
+    fresh = SlotKVRing(1, 3, H, C, D, kv_cache="fp8")
     fresh.install(1, N - C, keys, values)
     k2, v2 = fresh.export(1, N - C, N)
     assert torch.allclose(k2, keys, rtol=1e-6, atol=0) and torch.allclose(v2, values, rtol=1e-6, atol=0)
@@ -137,7 +137,7 @@ def test_server_kv_cache_setting_sizes_admission():
     from orchestrator.settings import Settings, SettingsError
 
     assert Settings.from_mapping({"kv_cache": "fp8"}).kv_cache == "fp8"
-    bf16, fp8 = (per_slot_bytes(LMConfig(), MimiConfig(), "reference", torch.bfloat16, fp8) for fp8 in (False, True))
+    bf16, fp8 = (per_slot_bytes(LMConfig(), MimiConfig(), "reference", torch.bfloat16, kv) for kv in ("auto", "fp8"))
     assert fp8 < bf16 / 1.9
     with pytest.raises(SettingsError, match="PERSONAPLEX_KV_CACHE"):
         Settings.from_mapping({"kv_cache": "int4"})

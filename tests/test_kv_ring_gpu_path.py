@@ -4,8 +4,9 @@ the gather path, on CPU through Triton's interpreter.
 Streaming calls of 2-4 tokens (Mimi's 2-token steps) take the kernel path on a GPU; its
 window floor (a query may not reach below ``end - capacity``, where the call's own writes
 overwrote older entries) is the subtle part, checked here in both window modes, with wrapped
-rings, and with the fp8 cache.  Runs in a subprocess because the interpreter is chosen when
-Triton is imported.
+rings, and with the 8-bit caches (the int8 one written by the fused write kernel on the kernel
+path, as on a GPU).  Runs in a subprocess because the interpreter is chosen when Triton is
+imported.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ SCRIPT = textwrap.dedent("""
     attention._split_size = lambda C, rows, device, block, min_splits: block
     torch.manual_seed(0)
     worst = 0.0
-    for fp8 in (False, True):
+    for kv_cache in ("auto", "fp8", "int8"):
         for mode in WindowMode.ALL:
             for T in (1, 2, 3):
                 C, H, D, S = 7, 2, 16, 4
-                rings = [SlotKVRing(2, S, H, C, D, fp8=fp8) for _ in range(2)]
+                rings = [SlotKVRing(2, S, H, C, D, kv_cache=kv_cache) for _ in range(2)]
                 slots = torch.tensor([2, 0])
                 for call in range(6):  # wraps the 7-entry ring twice for T = 3
                     positions = rings[0].positions(slots, T)
@@ -42,8 +43,9 @@ SCRIPT = textwrap.dedent("""
                     for use_kernel, ring in zip((False, True), rings):
                         attention.available = lambda device, on=use_kernel: on
                         # Not the fused fp8 write: the interpreter rounds some values to e4m3
-                        # wrongly (tests/test_kv_write.py); it is checked on the GPU.
-                        kv_write.available = lambda device, head_dim: False
+                        # wrongly (tests/test_kv_write.py); it is checked on the GPU.  The int8
+                        # one is exact here: the kernel path's ring takes it.
+                        kv_write.available = lambda device, head_dim, on=use_kernel and kv_cache == "int8": on
                         outs.append(ring.attend(1, slots, q, k, v, positions, lo))
                         ring.advance(slots, T)
                     worst = max(worst, (outs[0] - outs[1]).abs().max().item())

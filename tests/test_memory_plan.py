@@ -58,17 +58,20 @@ def _live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def test_the_plan_is_what_the_engine_allocates_on_the_tiny_model():
+@pytest.mark.parametrize("kv_cache", ["auto", "fp8", "int8"])
+def test_the_plan_is_what_the_engine_allocates_on_the_tiny_model(kv_cache):
     """The plan's weights and per-session state against the tensors the real engine holds:
     an engine of 4 slots and one of 36, measured by every live tensor's storage.  The
     difference is 32 slots of state, which the plan must match within 1 %; each engine's
     whole allocation must be within 5 % + 1 MiB of the plan's weights and sessions (the rest
-    is the tokenizer's and the voices' few tensors)."""
+    is the tokenizer's and the voices' few tensors).  For each KV cache storage: the 8-bit
+    ones hold their values and scales."""
     memory = MemorySettings(limit_bytes=GIB, margin_bytes=0, prefill_cache_bytes=0)
     baseline = _live_tensor_bytes()
     measured, plans = [], []
     for slots in (4, 36):
-        engine = create_engine(None, max_slots=slots, device="cpu", memory=memory)
+        engine = create_engine(None, max_slots=slots, device="cpu", memory=memory, kv_cache=kv_cache)
+        assert engine.kv.kv_cache == kv_cache
         measured.append(_live_tensor_bytes() - baseline)
         plans.append(engine.memory_plan)
         del engine

@@ -11,10 +11,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def worst_error_in_interpreter(script: str) -> float:
-    """Run ``script`` with ``TRITON_INTERPRET=1`` and return the number on its last line."""
+def run_in_interpreter(script: str) -> str:
+    """Run ``script`` with ``TRITON_INTERPRET=1`` and return what it printed."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return float(done.stdout.strip().splitlines()[-1])
+    return done.stdout
+
+
+def worst_error_in_interpreter(script: str) -> float:
+    """Run ``script`` with ``TRITON_INTERPRET=1`` and return the number on its last line."""
+    return float(run_in_interpreter(script).strip().splitlines()[-1])

@@ -9,9 +9,12 @@ run of ring indices modulo the capacity), which covers both window modes of
 single session still fills the GPU; a second small kernel merges the partial softmaxes
 (one launch, where the same merge in PyTorch ops took eight).
 
-With an fp8 cache (``scales`` given) keys and values are float8 e4m3 with one float32 scale
-per (position, head): the kernel folds the key scale into the score and the value scale
-into the softmax weight, so dequantisation costs two multiplies per position.  (Running the
+With an 8-bit cache (``scales`` given) keys and values are float8 e4m3 or int8 with one
+float32 scale per (position, head): the kernel folds the key scale into the score and the
+value scale into the softmax weight, so dequantisation costs two multiplies per position.
+The two kinds share the kernel: Triton compiles one variant per element type of the ring,
+and each converts its elements to float32 exactly; the int8 variant holds no e4m3 type, so
+it compiles for GPUs that have none (sm_80, ``tests/test_kv_int8.py``).  (Running the
 two products on tensor cores as zero-padded 16-wide fp16 matrix products was measured
 slower on the H200: 1.6-1.7 against 2.4-2.5 TB/s at B=64-128, 2026-12-01,
 docs/results/2026-12-01-h200-fp8-mma-ab.txt.)
@@ -123,9 +126,10 @@ if triton is not None:
 # Tuned on the H200 with engines.tools.bench_attention (docs/PERFORMANCE.md, "GPU: lockstep
 # tick at PersonaPlex-7B shapes": 256 positions were the best fp8 block of a sweep, 128 the
 # best bf16 one, docs/results/2026-12-01-h200-attention-ab-int32.json): fp8 rows are half
-# the bytes, so a block of twice the positions keeps as many bytes in flight.
+# the bytes, so a block of twice the positions keeps as many bytes in flight.  int8 rows are
+# as many bytes as fp8 ones and take the same block (not swept: no A100 run yet).
 BLOCK_N = 128
-BLOCK_N_FP8 = 256
+BLOCK_N_8BIT = 256
 NUM_WARPS = 4
 NUM_STAGES = 2
 PROGRAMS_PER_SM = 4
@@ -160,14 +164,14 @@ def decode_attention(
 
     q [B, H, D]; keys/values [S, H, C, D] (the whole ring of one layer); slots, q_pos, lo [B]
     int64 (lowest visible position, may be negative); ``scales`` = (key scales, value
-    scales) [S, H, C] float32 for an fp8 cache.  Returns [B, H, D] in q's dtype.
+    scales) [S, H, C] float32 for an 8-bit (fp8 or int8) cache.  Returns [B, H, D] in q's dtype.
     No host synchronisation: safe inside a CUDA graph.
     """
     B, H, D = q.shape
     C = keys.shape[2]
     # The kernel indexes these per query row: a broadcast view (stride 0) would be misread.
     slots, q_pos, lo = slots.contiguous(), q_pos.contiguous(), lo.contiguous()
-    block_n = block_n or (BLOCK_N_FP8 if scales is not None else BLOCK_N)
+    block_n = block_n or (BLOCK_N_8BIT if scales is not None else BLOCK_N)
     split = _split_size(C, B * H, q.device, block_n, min_splits)
     n_split = math.ceil(C / split)
     acc = torch.empty(B, H, n_split, D, device=q.device, dtype=torch.float32)

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 # with 22 tick graphs and 6 prefill graphs an H200 measured 5.00 GiB at 147 slots
 # (docs/PERFORMANCE.md, "Every admitted session opens: the memory plan at the wall").
 GRAPHS_ESTIMATE = 5 * GIB
-# A join's peak beyond its prefill's keys and values (embeddings of a piece, the fp8
+# A join's peak beyond its prefill's keys and values (embeddings of a piece, an 8-bit
 # install's temporaries of one layer), as a share of them, before it is measured.
 JOIN_OVERHEAD = 0.25
 
@@ -61,14 +61,16 @@ def slot_state_tensors(kv, tokens, sampling, mimi) -> list[torch.Tensor]:
     return _attributes(kv) + _attributes(tokens) + _attributes(sampling) + mimi_state + mimi_rings
 
 
-def per_slot_bytes(cfg: LMConfig, mimi_cfg, window: str, dtype: torch.dtype, fp8_kv: bool) -> int:
-    """Bytes one slot's state takes (built for one slot on the meta device)."""
+def per_slot_bytes(cfg: LMConfig, mimi_cfg, window: str, dtype: torch.dtype, kv_cache: str) -> int:
+    """Bytes one slot's state takes with a temporal KV cache of ``kv_cache`` storage (built for
+    one slot on the meta device)."""
     from engines.model.mimi import MimiCodec
     from engines.state.session_slots import SlotSampling
     from engines.state.token_state import TokenState
 
     meta = torch.device("meta")
-    kv = SlotKVRing(cfg.num_layers, 1, cfg.num_heads, cfg.context, cfg.head_dim, device=meta, dtype=dtype, fp8=fp8_kv)
+    kv = SlotKVRing(cfg.num_layers, 1, cfg.num_heads, cfg.context, cfg.head_dim, device=meta, dtype=dtype,
+                     kv_cache=kv_cache)
     mimi = MimiCodec(mimi_cfg, 1, window=window, device=meta)
     return tensor_bytes(slot_state_tensors(kv, TokenState(cfg, 1, device=meta), SlotSampling(1, meta), mimi))
 

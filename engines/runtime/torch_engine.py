@@ -79,7 +79,8 @@ class EngineOptions:
     # pieces, so this bounds how long a joining session can hold them up.
     prefill_chunk: int = PREFILL_CHUNK
     # Temporal KV cache storage: "auto" = the LM dtype; "fp8" = float8 e4m3 with per-
-    # (position, head) scales (engines.state.kv_ring): half the bytes per decode step.
+    # (position, head) scales (engines.state.kv_ring): half the bytes per decode step;
+    # "int8" = the same bytes as int8, for GPUs without e4m3 (A100).
     kv_cache: str = "auto"
     # LM weights: "auto" = the LM dtype; "fp8" = the projections and FFNs in float8 e4m3
     # with per-output-channel scales, quantized at load (half their bytes, read every tick).
@@ -159,7 +160,7 @@ def _initial_plan(lm: MoshiLM, mimi_cfg, options: EngineOptions, held_before: tu
         PlanItem("prefill_cache", memory.prefill_cache_bytes, "setting"),
         PlanItem("margin", memory.margin_bytes, "setting"),
     )
-    per_session = memory_probe.per_slot_bytes(cfg, mimi_cfg, options.window, lm.dtype, options.kv_cache == "fp8")
+    per_session = memory_probe.per_slot_bytes(cfg, mimi_cfg, options.window, lm.dtype, options.kv_cache)
     return MemoryPlan(str(lm.device), device_bytes, 0, per_session, items)
 
 
@@ -192,7 +193,7 @@ class PersonaPlexEngine(EngineRuntime):
         self.options = options
         log.info("LM weights on %s: %s", self.device, lm.describe_weights())
         self.kv = SlotKVRing(cfg.num_layers, num_slots + 1, cfg.num_heads, cfg.context, cfg.head_dim,
-                             device=self.device, dtype=lm.dtype, fp8=options.kv_cache == "fp8")
+                             device=self.device, dtype=lm.dtype, kv_cache=options.kv_cache)
         self.prefills = PrefillCache(options.prefill_cache_entries, options.memory.prefill_cache_bytes)
         # Accelerators sample with static shapes and no host sync (graph capture); the CPU
         # path keeps the cheaper data-dependent sampling.

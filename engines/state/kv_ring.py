@@ -17,11 +17,13 @@ the ring in ring order, which is exactly the reference's computation; longer cal
 over old ring + new keys and then keep the newest ``capacity`` keys.  (A prefill does not
 run here: it has its own ``PromptKV``.)
 
-``fp8=True`` stores keys and values as float8 e4m3 with one float32 scale per (position,
-head): each head's 128-vector is scaled by its own absolute maximum when written, so no
-calibration is needed and one outlier head or token cannot crush the others' precision.
+``kv_cache="fp8"`` stores keys and values as float8 e4m3 with one float32 scale per
+(position, head): each head's 128-vector is scaled by its own absolute maximum when written,
+so no calibration is needed and one outlier head or token cannot crush the others' precision.
 That halves the bytes every decode step reads (the cost that bounds large batches) for
-~3 % of scale storage; readers dequantise on the fly.
+~3 % of scale storage; readers dequantise on the fly.  ``kv_cache="int8"`` is the same with
+symmetric int8 values (absmax / 127, ``model.int8``): the same bytes, for GPUs without e4m3
+(the A100); the write kernel and the decode kernel serve both.
 """
 
 from __future__ import annotations
@@ -29,11 +31,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.config import WindowMode, kv_window_bytes
+from engines.config import KV_CACHE_MODES, WindowMode, kv_window_bytes
 from engines.fastpath.compiled import compile_dynamic
 from engines.fastpath import attention as gpu_attention
 from engines.fastpath import kv_write
 from engines.model.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from engines.model.int8 import dequantize_int8, quantize_int8
+
+# The 8-bit storage kinds: element dtype, quantizer, dequantizer ("auto" stores the compute
+# dtype as it is).
+SCALED_STORAGE = {
+    "fp8": (FP8_DTYPE, quantize_fp8, dequantize_fp8),
+    "int8": (torch.int8, quantize_int8, dequantize_int8),
+}
 
 
 def window_start(positions: torch.Tensor, call_end: torch.Tensor, capacity: int, mode: str) -> torch.Tensor:
@@ -63,9 +73,10 @@ def ring_positions(end: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def kv_bytes_per_slot(num_layers: int, num_heads: int, capacity: int, head_dim: int,
-                      dtype: torch.dtype, fp8: bool) -> int:
-    """Device bytes one slot's keys + values (+ fp8 scales) take."""
-    return kv_window_bytes(num_layers, num_heads, capacity, head_dim, torch.empty((), dtype=dtype).element_size(), fp8)
+                      dtype: torch.dtype, kv_cache: str) -> int:
+    """Device bytes one slot's keys + values (+ their scales, for an 8-bit ``kv_cache``) take."""
+    return kv_window_bytes(num_layers, num_heads, capacity, head_dim, torch.empty((), dtype=dtype).element_size(),
+                           kv_cache)
 
 
 class SlotKVRing:
@@ -78,26 +89,31 @@ class SlotKVRing:
         head_dim: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        fp8: bool = False,
+        kv_cache: str = "auto",
     ) -> None:
+        if kv_cache not in KV_CACHE_MODES:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_MODES)}, got {kv_cache!r}")
         self.capacity = capacity
         self.dtype = dtype  # what attention computes in and ``export`` returns
-        self.fp8 = fp8
+        self.kv_cache = kv_cache
+        self.scaled = kv_cache in SCALED_STORAGE  # 8-bit values with a scale per (position, head)
+        store, quantize, dequantize = SCALED_STORAGE.get(kv_cache, (dtype, None, None))
         shape = (num_layers, num_slots, num_heads, capacity, head_dim)
-        store = FP8_DTYPE if fp8 else dtype
         self.keys = torch.zeros(shape, device=device, dtype=store)
         self.values = torch.zeros(shape, device=device, dtype=store)
         # Per (layer, slot, head, ring index) scales; empty placeholders keep one code path.
-        scale_shape = shape[:-1] if fp8 else (num_layers, 0)
+        scale_shape = shape[:-1] if self.scaled else (num_layers, 0)
         self.key_scales = torch.ones(scale_shape, device=device, dtype=torch.float32)
         self.value_scales = torch.ones(scale_shape, device=device, dtype=torch.float32)
         self.length = torch.zeros(num_slots, device=device, dtype=torch.long)
-        self._quantize = quantize_fp8
+        self._quantize_eager = self._quantize = quantize
+        self._dequantize = dequantize
         self._plan: _CallPlan | None = None
 
     def compile_quantizer(self) -> None:
-        """Fuse the fp8 write path (amax, scale, cast) into one kernel (GPU fast path)."""
-        self._quantize = compile_dynamic(quantize_fp8)
+        """Fuse the 8-bit write path (amax, scale, cast) into one kernel (GPU fast path)."""
+        if self.scaled:
+            self._quantize = compile_dynamic(self._quantize_eager)
 
     @property
     def num_slots(self) -> int:
@@ -139,13 +155,13 @@ class SlotKVRing:
             # Streaming step on a GPU (the LM's 1 token, Mimi's 2): write the keys, then
             # read each slot's window in place instead of gathering it; each query is one
             # row of the kernel.
-            if self.fp8 and kv_write.available(q.device, D):  # one kernel for the whole write
-                kv_write.write_fp8(k.transpose(1, 2).reshape(B * T, H, D), v.transpose(1, 2).reshape(B * T, H, D),
-                                   self.keys[layer], self.values[layer], self.key_scales[layer],
-                                   self.value_scales[layer], plan.rows, plan.ring_idx.reshape(-1))
+            if self.scaled and kv_write.available(q.device, D):  # one kernel for the whole write
+                kv_write.write_scaled(k.transpose(1, 2).reshape(B * T, H, D), v.transpose(1, 2).reshape(B * T, H, D),
+                                      self.keys[layer], self.values[layer], self.key_scales[layer],
+                                      self.value_scales[layer], plan.rows, plan.ring_idx.reshape(-1))
             else:
                 self._store(layer, plan.slot_idx, plan.ring_idx, k.transpose(1, 2), v.transpose(1, 2))
-            k_scale, v_scale = (self.key_scales[layer], self.value_scales[layer]) if self.fp8 else (None, None)
+            k_scale, v_scale = (self.key_scales[layer], self.value_scales[layer]) if self.scaled else (None, None)
             out = gpu_attention.decode_attention_op(q.transpose(1, 2).reshape(B * T, H, D), self.keys[layer],
                                                     self.values[layer], plan.rows, plan.query_positions,
                                                     plan.query_lo, k_scale, v_scale)
@@ -178,7 +194,7 @@ class SlotKVRing:
     def _store(self, layer: int, slot_idx: torch.Tensor, ring_idx: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> None:
         """Write rows ``k, v`` [..., H, D] at (``slot_idx``, ``ring_idx``) [...] of ``layer``."""
-        if not self.fp8:
+        if not self.scaled:
             self.keys[layer][slot_idx, :, ring_idx] = k
             self.values[layer][slot_idx, :, ring_idx] = v
             return
@@ -189,34 +205,34 @@ class SlotKVRing:
 
     def _load(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole rings [B, H, C, D] of ``slots`` in the compute dtype."""
-        if not self.fp8:
+        if not self.scaled:
             return self.keys[layer][slots], self.values[layer][slots]
-        return (dequantize_fp8(self.keys[layer][slots], self.key_scales[layer][slots], self.dtype),
-                dequantize_fp8(self.values[layer][slots], self.value_scales[layer][slots], self.dtype))
+        return (self._dequantize(self.keys[layer][slots], self.key_scales[layer][slots], self.dtype),
+                self._dequantize(self.values[layer][slots], self.value_scales[layer][slots], self.dtype))
 
     def export(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [layers, H, end-start, D] of positions ``start..end-1`` of one slot,
         in the compute dtype."""
         idx = torch.remainder(torch.arange(start, end, device=self.length.device), self.capacity)
         keys, values = self.keys[:, slot][:, :, idx], self.values[:, slot][:, :, idx]
-        if not self.fp8:
+        if not self.scaled:
             return keys.clone(), values.clone()
-        return (dequantize_fp8(keys, self.key_scales[:, slot][:, :, idx], self.dtype),
-                dequantize_fp8(values, self.value_scales[:, slot][:, :, idx], self.dtype))
+        return (self._dequantize(keys, self.key_scales[:, slot][:, :, idx], self.dtype),
+                self._dequantize(values, self.value_scales[:, slot][:, :, idx], self.dtype))
 
     def install(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write exported positions ``start..`` into ``slot`` and set its length after them."""
         n = keys.shape[2]
         keep = min(n, self.capacity)
         idx = torch.remainder(torch.arange(start + n - keep, start + n, device=self.length.device), self.capacity)
-        # A layer at a time: the temporaries (the fp8 quantisation's) are one layer's, not
+        # A layer at a time: the temporaries (the 8-bit quantisation's) are one layer's, not
         # the whole prompt's, so a join's peak stays what the memory plan reserved for it.
         for layer in range(self.keys.shape[0]):
             for data, scales, x in ((self.keys, self.key_scales, keys), (self.values, self.value_scales, values)):
                 x = x[layer, :, n - keep:].to(device=data.device, dtype=self.dtype)
                 rows = data[layer, slot]
-                if self.fp8:
-                    q, scale = quantize_fp8(x)
+                if self.scaled:
+                    q, scale = self._quantize_eager(x)
                     rows[:, idx] = q
                     scales[layer, slot][:, idx] = scale
                 else:

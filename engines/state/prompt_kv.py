@@ -7,7 +7,8 @@ the keys the one pass would have shown them.  ``SlotKVRing`` cannot give that on
 is longer than its window: a chunk's writes land on ring entries its own first queries still
 need.  ``PromptKV`` is a ring large enough that they never do (window + chunk - 1 positions,
 or the whole prompt when that is shorter), kept in the compute dtype even when the session
-cache stores fp8, so a chunked pass computes what the one pass computes.
+cache stores 8 bits (fp8, int8: ``SlotKVRing.install`` quantizes what it installs), so a
+chunked pass computes what the one pass computes.
 
 It offers what ``MoshiLM.temporal`` uses of a cache (``capacity``, ``positions``, ``attend``,
 ``advance``) for a single sequence; ``capacity`` is the session window, which decides the

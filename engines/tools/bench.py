@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch._dynamo
 
-from engines.config import FRAME_SAMPLES, LMConfig
+from engines.config import FRAME_SAMPLES, SCALED_KV_CACHES, LMConfig
 from engines.spec import MemorySettings
 from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
 from engines.interface import SamplingParams, SessionSpec, to_completion
@@ -159,24 +159,27 @@ def bench_prefill(engine: PersonaPlexEngine, voice: VoicePrompt, persona_tokens:
             "plan_cpu_ms": plan_ms, "gpu_ms": start.elapsed_time(end), "total_ms": total_ms}
 
 
-def fp8_attention_error(batch: int = 8, heads: int = 32, capacity: int = 3000, head_dim: int = 128,
-                        seed: int = 0) -> dict:
-    """Decode attention over a full 7B-shaped window: the fp8 cache against bf16, on random
-    activations with per-head magnitudes spread over two decades (as real K/V have)."""
+def kv_attention_error(kv_cache: str = "fp8", batch: int = 8, heads: int = 32, capacity: int = 3000,
+                       head_dim: int = 128, seed: int = 0, device: str = "cuda") -> dict:
+    """Decode attention over a full 7B-shaped window: an 8-bit cache (``kv_cache`` "fp8" or
+    "int8") against bf16, on random activations with per-head magnitudes spread over two
+    decades (as real K/V have).  The same data for both kinds at one seed.  (On a CPU the
+    kernel runs only under Triton's interpreter, at small shapes: ``tests/test_kv_int8.py``.)"""
     from engines.fastpath.attention import decode_attention
-    from engines.model.fp8 import quantize_fp8
+    from engines.state.kv_ring import SCALED_STORAGE
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    spread = torch.logspace(-1, 1, heads, device="cuda").view(1, heads, 1, 1)
-    keys = (torch.randn(batch, heads, capacity, head_dim, device="cuda", generator=g) * spread).bfloat16()
-    values = (torch.randn(batch, heads, capacity, head_dim, device="cuda", generator=g) * spread).bfloat16()
-    q = torch.randn(batch, heads, head_dim, device="cuda", generator=g).bfloat16()
-    slots = torch.arange(batch, device="cuda")
-    q_pos = torch.full((batch,), 10 * capacity, device="cuda", dtype=torch.long)
+    quantize = SCALED_STORAGE[kv_cache][1]
+    g = torch.Generator(device=device).manual_seed(seed)
+    spread = torch.logspace(-1, 1, heads, device=device).view(1, heads, 1, 1)
+    keys = (torch.randn(batch, heads, capacity, head_dim, device=device, generator=g) * spread).bfloat16()
+    values = (torch.randn(batch, heads, capacity, head_dim, device=device, generator=g) * spread).bfloat16()
+    q = torch.randn(batch, heads, head_dim, device=device, generator=g).bfloat16()
+    slots = torch.arange(batch, device=device)
+    q_pos = torch.full((batch,), 10 * capacity, device=device, dtype=torch.long)
     lo = q_pos - capacity + 2
     exact = decode_attention(q, keys, values, slots, q_pos, lo).float()
-    kq, ks = quantize_fp8(keys)
-    vq, vs = quantize_fp8(values)
+    kq, ks = quantize(keys)
+    vq, vs = quantize(values)
     approx = decode_attention(q, kq, vq, slots, q_pos, lo, scales=(ks, vs)).float()
     err = (approx - exact).norm(dim=-1) / exact.norm(dim=-1)
     return {"shape": [batch, heads, capacity, head_dim], "relative_error_mean": float(err.mean()),
@@ -290,9 +293,10 @@ def git_revision() -> str:
 
 
 # The words of a ``--configs`` item, joined by "+" in any order: the KV cache ("bf16", the
-# default, or "fp8"), the weights ("fp8w": fp8 with the device's product; "fp8w-w8a16": fp8,
+# default, "fp8" or "int8"), the weights ("fp8w": fp8 with the device's product; "fp8w-w8a16": fp8,
 # dequantized before a bf16 GEMM) and "compile".
-CONFIG_WORDS = {"bf16": ("kv_cache", "auto"), "fp8": ("kv_cache", "fp8"), "fp8w": ("weights", "auto"),
+CONFIG_WORDS = {"bf16": ("kv_cache", "auto"), "fp8": ("kv_cache", "fp8"), "int8": ("kv_cache", "int8"),
+                "fp8w": ("weights", "auto"),
                 "fp8w-w8a16": ("weights", "w8a16"), "compile": ("compile", True),
                 "serial": ("overlap_encode", False)}
 
@@ -337,7 +341,7 @@ def slots_that_fit(cfg: LMConfig, config: BenchConfig, wanted: int) -> int:
     from engines.state.kv_ring import kv_bytes_per_slot
 
     per_slot = kv_bytes_per_slot(cfg.num_layers, cfg.num_heads, cfg.context, cfg.head_dim, torch.bfloat16,
-                                 fp8=config.kv_cache == "fp8")
+                                 config.kv_cache)
     torch.cuda.empty_cache()  # blocks the allocator keeps but no tensor holds are free
     free, _ = torch.cuda.mem_get_info()
     return max(1, min(wanted, int((free - RESERVE_GB[config.weights] * 1e9) // per_slot) - 1))
@@ -412,8 +416,9 @@ def print_table(report: dict) -> None:
         for r in result.get("ours_sampled", []):
             if "error" not in r:
                 print(f"{r['batch']:>4} sampling sessions: p50 {r['tick_ms_p50']:.2f} ms, p99 {r['tick_ms_p99']:.2f} ms")
-    if "fp8_error" in report:
-        print(f"fp8 KV attention error at 7B shapes: {report['fp8_error']}")
+    for kind in SCALED_KV_CACHES:
+        if f"{kind}_error" in report:
+            print(f"{kind} KV attention error at 7B shapes: {report[f'{kind}_error']}")
     for layer, errors in report.get("fp8_weight_error", {}).get("layers", {}).items():
         print(f"fp8 weights, {layer}: " + ", ".join(f"{case} {value:.4f}" for case, value in errors.items()))
 
@@ -425,10 +430,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated B values (default 1,8,32,64); 'wall' is the most slots of full "
                              "windows that fit in the GPU's memory beside that config's weights")
     parser.add_argument("--configs", default="bf16",
-                        help="comma-separated engine variants, each words joined by '+': bf16 (default) or fp8 "
-                             "for the KV cache; fp8w for fp8 weights with the GPU's fp8 GEMMs, fp8w-w8a16 for fp8 "
-                             "weights dequantized before a bf16 GEMM; compile for torch.compile'd blocks; e.g. "
-                             "bf16,fp8+compile,fp8w+fp8+compile.  B values whose full windows do not fit in "
+                        help="comma-separated engine variants, each words joined by '+': bf16 (default), fp8 "
+                             "or int8 for the KV cache; fp8w for fp8 weights with the GPU's fp8 GEMMs, fp8w-w8a16 "
+                             "for fp8 weights dequantized before a bf16 GEMM; compile for torch.compile'd blocks; "
+                             "e.g. bf16,fp8+compile,fp8w+fp8+compile.  B values whose full windows do not fit in "
                              "memory are reported as such")
     parser.add_argument("--ticks", type=int, default=100, help="timed ticks per B (default 100)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed ticks per B first (default 5)")
@@ -484,9 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         output.write_text(json.dumps(report, indent=2, allow_nan=False))
 
-    if any(c.kv_cache == "fp8" for c in configs):
-        report["fp8_error"] = fp8_attention_error()
-        log.info("fp8 KV attention error at 7B shapes: %s", report["fp8_error"])
+    for kind in SCALED_KV_CACHES:  # "fp8_error", "int8_error": the same method and data for both
+        if any(c.kv_cache == kind for c in configs):
+            report[f"{kind}_error"] = kv_attention_error(kind)
+            log.info("%s KV attention error at 7B shapes: %s", kind, report[f"{kind}_error"])
     if any(c.weights == "fp8" for c in configs):
         report["fp8_weight_error"] = fp8_weight_error()
         log.info("fp8 weight error per 7B layer: %s", report["fp8_weight_error"])

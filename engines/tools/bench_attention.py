@@ -1,6 +1,6 @@
 """Micro-benchmark: in-place Triton decode attention vs gather + SDPA, 7B shapes.
 
-    python -m engines.tools.bench_attention [--fp8] [--batch-sizes 1,8,32,64]
+    python -m engines.tools.bench_attention [--fp8 | --int8] [--batch-sizes 1,8,32,64]
 
 Sweeps the kernel's block size, warps, pipeline stages and minimum split count per B and
 prints the best (graphed) configuration with its effective bandwidth over the KV bytes.
@@ -40,20 +40,24 @@ def graphed_time(fn, reps: int = 20) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fp8", action="store_true", help="fp8 cache with per-(position, head) scales")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--fp8", action="store_true", help="fp8 cache with per-(position, head) scales")
+    kind.add_argument("--int8", action="store_true", help="int8 cache with per-(position, head) scales")
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     args = parser.parse_args()
+    scaled = "fp8" if args.fp8 else "int8" if args.int8 else None
     H, C, D = 32, 3000, 128
     for B in (int(b) for b in args.batch_sizes.split(",")):
         S = B + 1
         keys = torch.randn(S, H, C, D, device="cuda", dtype=torch.bfloat16)
         values = torch.randn_like(keys)
         scales = None
-        if args.fp8:
-            from engines.model.fp8 import quantize_fp8
+        if scaled is not None:
+            from engines.state.kv_ring import SCALED_STORAGE
 
-            keys, k_scale = quantize_fp8(keys)
-            values, v_scale = quantize_fp8(values)
+            quantize = SCALED_STORAGE[scaled][1]
+            keys, k_scale = quantize(keys)
+            values, v_scale = quantize(values)
             scales = (k_scale, v_scale)
         slots = torch.arange(B, device="cuda")
         q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
@@ -63,7 +67,7 @@ def main() -> None:
         def triton_path():
             attention.decode_attention(q, keys, values, slots, q_pos, lo, scales=scales)
 
-        gbytes = 2 * B * H * C * (D + 4 if args.fp8 else 2 * D) / 1e9
+        gbytes = 2 * B * H * C * (D + 4 if scaled else 2 * D) / 1e9
         best = None
         for block_n in (32, 64, 128, 256):
             for warps in (4, 8):

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from engines.config import BUILD_DTYPES, KV_CACHE_MODES  # torch-free: --help needs no torch
+from engines.config import BUILD_DTYPES, BUILD_KV_CACHE_DTYPES  # torch-free: --help needs no torch
 
 log = logging.getLogger("convert_checkpoint")
 
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "torch-fp8 (a checkpoint directory with fp8 LM weights for the PyTorch engine)")
     p.add_argument("--dtype", default="bfloat16", choices=BUILD_DTYPES,
                    help="engine weight and activation dtype (default: bfloat16)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_MODES,
+    p.add_argument("--kv-cache-dtype", default="auto", choices=BUILD_KV_CACHE_DTYPES,
                    help="temporal KV cache: auto (= --dtype) or fp8 (half the memory per session; "
                         "uncalibrated scale, see --kv-cache-scale)")
     p.add_argument("--kv-cache-scale", type=float, default=1.0,

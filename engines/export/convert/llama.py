@@ -27,12 +27,12 @@ from collections.abc import Iterator
 import torch
 
 from engines.checkpoints.loader import SafetensorsReader, lm_io_tensors, temporal_layer_tensors
-from engines.config import BUILD_DTYPES, KV_CACHE_MODES, LMConfig
+from engines.config import BUILD_DTYPES, BUILD_KV_CACHE_DTYPES, LMConfig
 from engines.export.convert.safetensors_stream import TensorSpec
 
 ARCHITECTURE = "LlamaForCausalLM"
 DTYPES = {name: getattr(torch, name) for name in BUILD_DTYPES}
-KV_CACHE_DTYPES = KV_CACHE_MODES
+KV_CACHE_DTYPES = BUILD_KV_CACHE_DTYPES
 
 
 def half_split_order(head_dim: int) -> torch.Tensor:
