@@ -1,0 +1,49 @@
+"""The capacity model (engines/tools/capacity_model.py) reproduces what was measured on the H200
+from the parts it was fitted to, and predicts in the directions its terms say."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engines.tools import capacity_model as cm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rows() -> dict[tuple[str, str, str], dict]:
+    bench = json.loads((ROOT / cm.DEFAULT_FIT).read_text())
+    return {(r["gpu"], r["weights"], r["kv_cache"]): r for r in cm.predict(bench, 60.0)}
+
+
+def test_the_h200_figures_it_was_fitted_to_come_back():
+    bench = json.loads((ROOT / cm.DEFAULT_FIT).read_text())
+    rows = _rows()
+    # The engine's memory plan on the H200 (2026-12-05, bf16 weights, fp8 KV) admitted 147.
+    assert rows[("H200", "bf16", "fp8")]["memory_wall"] == 147
+    # Its ticks from B = 8 up, within 6 % of the benchmark's p50s (5.2 % at B = 8 is the worst: a line
+    # through a curve that bends where the fixed cost stops hiding the per-session reads).
+    from engines.config import LMConfig, kv_window_bytes
+
+    cfg = LMConfig()
+    kv = kv_window_bytes(cfg.num_layers, cfg.num_heads, cfg.context, cfg.head_dim, 2, "fp8")
+    fit = cm.fit_ticks(bench, kv)["bf16"]
+    h200 = next(g for g in cm.GPUS if g.name == "H200")
+    for row in bench["configs"]["fp8+compile"]["ours"]:
+        if row["batch"] >= 8:
+            predicted = cm.tick_ms(h200, fit, kv, row["batch"])
+            assert abs(predicted / row["tick_ms_p50"] - 1) < 0.06, (row["batch"], predicted, row["tick_ms_p50"])
+
+
+def test_predictions_follow_memory_bandwidth_and_the_kv_format():
+    rows = _rows()
+    # An 8-bit window is half a bf16 one: about twice the sessions where memory bounds them.
+    for gpu in ("A100-80GB", "H100-80GB", "H200"):
+        bf16, int8 = rows[(gpu, "bf16", "bf16")], rows[(gpu, "bf16", "int8")]
+        assert 1.8 <= int8["memory_wall"] / bf16["memory_wall"] <= 2.1, (gpu, bf16, int8)
+    # More bandwidth, a faster lone session; more memory, more sessions.
+    b1 = {g: rows[(g, "bf16", "int8")]["tick_ms_b1"] for g in ("L40S", "A100-80GB", "H100-80GB", "H200")}
+    assert b1["L40S"] > b1["A100-80GB"] > b1["H100-80GB"] > b1["H200"], b1
+    assert rows[("A100-40GB", "bf16", "int8")]["sessions"] < rows[("A100-80GB", "bf16", "int8")]["sessions"]
+    # No fp8 KV where the GPU has no e4m3: the engine refuses it at start.
+    assert ("A100-80GB", "bf16", "fp8") not in rows and ("H100-80GB", "bf16", "fp8") in rows
