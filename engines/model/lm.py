@@ -151,19 +151,23 @@ class MoshiLM(nn.Module):
         self._attention_output_ffn = attention_output_ffn
         self._embed_streams = embed_streams
         self._depformer_step = depformer_step
-        # Each codebook step's weights, built once and marked static, once compiled
-        # (``compile_blocks``); None: built per call.
-        self._step_weights: list[DepformerStepWeights] | None = None
+        # Each codebook step's weights (without its token table) and its write and visibility
+        # masks, built once and marked static, once compiled (``compile_blocks``); None: the
+        # eager path, which builds the weights per call.
+        self._step_weights: list[tuple] | None = None
+        self._step_masks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._window = WindowMode.REFERENCE  # what compile_blocks built the masks for
 
-    def compile_blocks(self) -> None:
+    def compile_blocks(self, window: str = WindowMode.REFERENCE) -> None:
         """Replace the layer halves with ``torch.compile``d versions (GPU fast path).
 
         Inductor fuses each half's norms, RoPE, casts, SiLU gate and residual adds into a
         few kernels around the GEMMs (the eager tick launches thousands of tiny kernels).
-        Shapes are dynamic so one compilation serves every batch bucket (and every
-        depformer step past the first two: sizes 0 and 1 of the steps so far are
-        specialised).  Changes rounding only (float32 statistics
-        are kept); the CPU reference path never calls this.
+        Shapes are dynamic so one compilation serves every batch bucket (and, with the
+        steps' keys in fixed-size buffers, every depformer step).  ``window``: the one
+        ``depformer`` will be called with (its steps' visibility masks are built here).
+        Changes rounding only (float32 statistics are kept); the CPU reference path never
+        calls this.
         """
         self._attention_input = compile_dynamic(attention_input)
         self._attention_output_ffn = compile_dynamic(attention_output_ffn)
@@ -171,12 +175,22 @@ class MoshiLM(nn.Module):
         # A whole codebook step (its 6 layers, input and head) is one compiled piece: the
         # depformer runs 8 of them per tick at a few rows, where each kernel's launch on the
         # GPU costs more than its work.
-        self._depformer_step = compile_dynamic(depformer_step)
+        # Its shape-stable form (``depformer_step_fixed``): the steps' keys in buffers of a
+        # fixed size, so one compilation serves every step; the concatenating form made three
+        # (0, 1, then 2 or more steps so far: ~25 s of a first start on the H200 and ~6 s of
+        # every restart, docs/PERFORMANCE.md, "Start-up budgets").
+        self._depformer_step = compile_dynamic(depformer_step_fixed)
         # The step's weights are slices of parameters: plain tensors, so without the static
         # mark every dimension of each would be symbolic (``fastpath.compiled.static_shapes``).
         # Views: they follow the parameters' storage, which is loaded before this is called
-        # and never replaced after.
-        self._step_weights = [static_shapes(self._build_step_weights(k)) for k in range(self.depformer_steps)]
+        # and never replaced after.  The token table stays out (step 0's is the text table,
+        # of another size: a second compilation), as do the steps' masks, built once here.
+        steps = self.depformer_steps
+        self._window = window
+        self._step_weights = [static_shapes(_without_table(self._build_step_weights(k))) for k in range(steps)]
+        position = torch.arange(steps, device=self.device)
+        self._step_masks = [static_shapes((position == k, (position <= k) & (position >= first)))
+                            for k, first in enumerate(self._first_visible_steps(steps))]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -253,6 +267,8 @@ class MoshiLM(nn.Module):
         """
         cfg = self.cfg
         B = hidden.shape[0]
+        if self._step_weights is not None:
+            return self._depformer_fixed(hidden, first_token, forced, forced_mask, sample, window)
         # The keys and values of the steps so far, per layer: [layers, B, H, steps so far, Dh].
         keys = hidden.new_zeros(cfg.depformer_num_layers, B, cfg.depformer_num_heads, 0, cfg.depformer_head_dim)
         values = keys
@@ -268,10 +284,38 @@ class MoshiLM(nn.Module):
             prev = torch.where(forced_mask[:, k], forced[:, k], token)
         return torch.stack(samples, dim=1)
 
+    def _depformer_fixed(self, hidden, first_token, forced, forced_mask, sample, window) -> torch.Tensor:
+        """``depformer`` on the compiled path: ``depformer_step_fixed`` over key buffers of
+        every step (zeros where a step has not written yet: masked out, and never NaN)."""
+        cfg = self.cfg
+        if window != self._window:
+            raise ValueError(f"the compiled depformer was built for window {self._window!r}, not {window!r}")
+        steps = self.depformer_steps
+        shape = (cfg.depformer_num_layers, hidden.shape[0], cfg.depformer_num_heads, steps, cfg.depformer_head_dim)
+        # Two tensors, not one twice: the compiled step guards on its inputs' aliasing, and
+        # from step 1 on they are two.  Every dimension but the batch is the model's: static.
+        keys, values = hidden.new_zeros(shape), hidden.new_zeros(shape)
+        for buffer in (keys, values):
+            for dim in (0, 2, 3, 4):
+                torch._dynamo.mark_static(buffer, dim)
+        samples = []
+        prev = first_token
+        for k in range(steps):
+            table = self.depformer_text_emb if k == 0 else self.depformer_emb[k - 1]
+            write, visible = self._step_masks[k]
+            logits, keys, values = self._depformer_step(hidden, embed(table, prev), keys, values, write, visible,
+                                                        self._step_weights[k], cfg.depformer_num_heads, cfg.norm_eps,
+                                                        self.fp8_matmul or "w8a16")
+            token = sample(k, logits)
+            samples.append(token)
+            prev = torch.where(forced_mask[:, k], forced[:, k], token)
+        return torch.stack(samples, dim=1)
+
+    def _first_visible_steps(self, steps: int) -> list[int]:
+        return [depformer_first_visible(k, self.cfg.dep_q, self._window) for k in range(steps)]
+
     def depformer_step_weights(self, k: int) -> DepformerStepWeights:
         """``depformer_step``'s weights of codebook step ``k``."""
-        if self._step_weights is not None:
-            return self._step_weights[k]
         return self._build_step_weights(k)
 
     def _build_step_weights(self, k: int) -> DepformerStepWeights:
@@ -287,6 +331,38 @@ class MoshiLM(nn.Module):
 # (input projection, its fp8 scales or None, token embedding table, output head, per layer:
 # (norm1, in_proj, in_proj's scales, out_proj, norm2, ffn_in, ffn_out, the output scales)).
 DepformerStepWeights = tuple
+
+
+def _without_table(weights: DepformerStepWeights) -> tuple:
+    in_proj, in_scale, _table, head, layers = weights
+    return in_proj, in_scale, head, layers
+
+
+def depformer_step_fixed(hidden: torch.Tensor, prev_embedding: torch.Tensor, keys: torch.Tensor,
+                         values: torch.Tensor, write: torch.Tensor, visible: torch.Tensor, weights: tuple,
+                         heads: int, eps: float, matmul: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``depformer_step`` with shapes that do not change from step to step (the compiled path):
+    ``prev_embedding`` [B, Dd] is the previous token already embedded; ``keys``/``values``
+    [layers, B, H, steps, Dh] hold every step's entry (those not written yet are zeros), this
+    step writes its own where ``write`` [steps] is true and attends where ``visible`` [steps]
+    is.  The same function as ``depformer_step`` up to rounding (masked entries weigh exactly
+    zero; the sums run in another order): tests/test_depformer_step.py holds the two together.
+    ``weights``: ``depformer_step``'s without the token table."""
+    in_proj, in_scale, head, layers = weights
+    x = (linear(hidden, in_proj, in_scale, matmul) + prev_embedding).unsqueeze(1)
+    at_step = write.view(1, 1, -1, 1)
+    mask = visible.view(1, 1, 1, -1)
+    new_keys, new_values = [], []
+    for i, (norm1, qkv, qkv_scale, out_proj, norm2, ffn_in, ffn_out, out_scales) in enumerate(layers):
+        q, key, value = attention_input(x, norm1, qkv, heads, eps, None, qkv_scale, matmul)
+        layer_keys = torch.where(at_step, key, keys[i])
+        layer_values = torch.where(at_step, value, values[i])
+        a = F.scaled_dot_product_attention(q, layer_keys, layer_values, attn_mask=mask)
+        x = attention_output_ffn(x, a, out_proj, norm2, ffn_in, ffn_out, eps, out_scales, matmul)
+        new_keys.append(layer_keys)
+        new_values.append(layer_values)
+    logits = linear(x[:, 0], head).float()
+    return logits, torch.stack(new_keys), torch.stack(new_values)
 
 
 def depformer_step(hidden: torch.Tensor, prev: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lo: int,

@@ -205,7 +205,7 @@ class PersonaPlexEngine(EngineRuntime):
         # Set for the length of a tick (or a graph's capture) whose every row is greedy.
         self.greedy_tick = False
         if options.compile:
-            lm.compile_blocks()
+            lm.compile_blocks(options.window)
             mimi.compile_steps()
             self.kv.compile_quantizer()
             self._noise = compile_dynamic(exponential_noise)

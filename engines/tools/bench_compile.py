@@ -1,8 +1,11 @@
 """What torch.compile costs the depformer step (the tick's largest compiled piece) at 7B
-shapes, with its weights' shapes symbolic as ``compile_dynamic`` makes a plain tensor's, or
-marked static (``fastpath.compiled.static_shapes``, as ``MoshiLM.compile_blocks`` does):
-per mode, a first compilation on empty caches and a second start that reads them, each in a
-process of its own; its three variants (0, 1, then 2 or more steps so far) at batches 2, 4, 8.
+shapes, three ways: ``symbolic``, the concatenating step (``depformer_step``) with its weights'
+shapes symbolic as ``compile_dynamic`` makes a plain tensor's; ``static``, the same with the
+weights marked static (``fastpath.compiled.static_shapes``); ``fixed``, the shape-stable step
+the engine compiles (``depformer_step_fixed``, static weights, the steps' keys in fixed-size
+buffers).  Per mode, a first compilation on empty caches and a second start that reads them,
+each in a process of its own; three steps (0, 1 and 2 steps so far: the concatenating step's
+three variants) at batches 2, 4, 8.
 
     python -m engines.tools.bench_compile [--device cpu] [--output bench_compile.json]
 
@@ -24,17 +27,18 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("symbolic", "static")
+MODES = ("symbolic", "static", "fixed")
 STARTS = ("first", "second")
 
 
 def _one_start(mode: str, device: str) -> dict[str, float]:
     """Compile and run the step in this process; seconds per (batch, steps so far) call."""
     import torch
+    import torch.nn.functional as F
 
     from engines.config import LMConfig
     from engines.fastpath.compiled import compile_dynamic, static_shapes
-    from engines.model.lm import depformer_step
+    from engines.model.lm import depformer_step, depformer_step_fixed
 
     cfg = LMConfig()
     dev, dtype = torch.device(device), torch.bfloat16
@@ -49,18 +53,32 @@ def _one_start(mode: str, device: str) -> dict[str, float]:
                     torch.ones(dd, device=dev, dtype=dtype), weight(2 * ffn, dd), weight(dd, ffn), None)
                    for _ in range(cfg.depformer_num_layers))
     weights = (weight(dd, cfg.dim), None, weight(cfg.card + 1, dd), weight(cfg.card, dd), layers)
-    if mode == "static":
+    if mode != "symbolic":
         static_shapes(weights)
-    step = compile_dynamic(depformer_step)
+    fixed = mode == "fixed"
+    step = compile_dynamic(depformer_step_fixed if fixed else depformer_step)
+    steps = 8
+    position = torch.arange(steps, device=dev)
+    masks = [static_shapes((position == k, position <= k)) for k in range(steps)]
     seconds: dict[str, float] = {}
     with torch.inference_mode():
         for batch in (2, 4, 8):
             hidden = torch.randn(batch, cfg.dim, generator=g).to(dev, dtype)
             prev = torch.zeros(batch, dtype=torch.long, device=dev)
-            keys = values = torch.zeros(cfg.depformer_num_layers, batch, heads, 0, dd // heads, device=dev, dtype=dtype)
+            shape = (cfg.depformer_num_layers, batch, heads, steps if fixed else 0, dd // heads)
+            keys, values = torch.zeros(shape, device=dev, dtype=dtype), torch.zeros(shape, device=dev, dtype=dtype)
+            if fixed:  # as MoshiLM._depformer_fixed: every dimension but the batch static
+                for buffer in (keys, values):
+                    for dim in (0, 2, 3, 4):
+                        torch._dynamo.mark_static(buffer, dim)
             for k in range(3):
                 start = time.perf_counter()
-                _, keys, values = step(hidden, prev, keys, values, 0, weights, heads, cfg.norm_eps, "w8a16")
+                if fixed:
+                    in_proj, in_scale, table, head, layer_weights = weights
+                    _, keys, values = step(hidden, F.embedding(prev, table), keys, values, *masks[k],
+                                           (in_proj, in_scale, head, layer_weights), heads, cfg.norm_eps, "w8a16")
+                else:
+                    _, keys, values = step(hidden, prev, keys, values, 0, weights, heads, cfg.norm_eps, "w8a16")
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 seconds[f"B={batch},k={k}"] = time.perf_counter() - start

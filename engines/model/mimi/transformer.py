@@ -127,6 +127,11 @@ class MimiTransformer(nn.Module):
 
     def step(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One streaming call: the T steps of ``x`` continue each slot's sequence."""
+        # The encoder's and the decoder's transformers share the compiled layer halves' code,
+        # and dynamo guards on their inputs' strides: the two callers' inputs (transposes of
+        # convolution outputs of 1 and 2 steps) laid out alike spare the halves a second
+        # compilation each (docs/PERFORMANCE.md, "Start-up budgets": 4/1 and 5/1).
+        x = x.contiguous()
         T = x.shape[1]
         positions = self.ring.positions(slots, T)
         # The reference labels ring slots by the end of the whole call, not per query.
