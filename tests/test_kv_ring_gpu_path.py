@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent("""
                     q, k, v = (torch.randn(2, H, T, D) for _ in range(3))
                     outs = []
                     for use_kernel, ring in zip((False, True), rings):
-                        attention.available = lambda device, on=use_kernel: on
+                        attention.available = lambda device, fp8=False, on=use_kernel: on
                         # Not the fused fp8 write: the interpreter rounds some values to e4m3
                         # wrongly (tests/test_kv_write.py); it is checked on the GPU.
                         kv_write.available = lambda device, head_dim: False

@@ -20,6 +20,7 @@ try:
 except ImportError:  # CPU-only installs: the ring writes with indexed assignments
     triton = None
 
+from engines.fastpath import gpu_arch
 from engines.model.fp8 import FP8_MAX
 
 if triton is not None:
@@ -52,8 +53,10 @@ if triton is not None:
 
 
 def available(device: torch.device, head_dim: int) -> bool:
-    """A GPU, and a power-of-two head size (one program holds one head's vector)."""
-    return triton is not None and device.type == "cuda" and head_dim & (head_dim - 1) == 0
+    """A GPU that runs e4m3 kernels (Triton refuses them below compute capability 8.9:
+    ``gpu_arch``), and a power-of-two head size (one program holds one head's vector)."""
+    return (triton is not None and device.type == "cuda" and head_dim & (head_dim - 1) == 0
+            and gpu_arch.e4m3_kernels(device))
 
 
 def write_fp8(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_scales: torch.Tensor,

@@ -171,7 +171,7 @@ class SlotKVRing:
         plan = self._plan
         if plan is not None and plan.slots is slots and plan.positions is positions and plan.lo is lo:
             return plan
-        decode = positions.shape[1] <= DECODE_MAX_TOKENS and gpu_attention.available(device)
+        decode = positions.shape[1] <= DECODE_MAX_TOKENS and gpu_attention.available(device, fp8=self.fp8)
         self._plan = plan = _CallPlan(slots, positions, lo, self.capacity, decode)
         return plan
 
