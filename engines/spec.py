@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from engines.config import BACKENDS, COMPILE_MODES, KV_CACHE_MODES, WEIGHT_MODES, WindowMode
+from engines.config import BACKENDS, COMPILE_MODES, GPU_ARCH_MODES, KV_CACHE_MODES, WEIGHT_MODES, WindowMode
 
 GIB = 1 << 30
 
@@ -58,7 +58,7 @@ def check_engine_options(values: dict[str, Any], name: Callable[[str], str] = st
     are not checked); ``name(field)`` is how a message names one (an environment variable, for
     the server).  Raises ``SpecError``."""
     choices = {"window": WindowMode.ALL, "kv_cache": KV_CACHE_MODES, "weights": WEIGHT_MODES,
-               "compile": COMPILE_MODES, "backend": BACKENDS}
+               "compile": COMPILE_MODES, "backend": BACKENDS, "gpu_arch": GPU_ARCH_MODES}
     for key, allowed in choices.items():
         if key in values and values[key] not in allowed:
             raise SpecError(f"{name(key)} must be one of {', '.join(allowed)}, got {values[key]!r}")
@@ -98,6 +98,9 @@ class EngineSpec:
     weights: str = "auto"
     voice_dir: str | Path | None = None  # more voices, served ahead of the checkpoint's
     cpu_threads: int = 0  # torch's intra-op threads for an engine on the CPU; 0: torch's default
+    # The GPU's compute capability as the engine takes it: "auto" (the device's), or a profile
+    # ("sm80", ...) that makes a newer GPU take what that one would (engines/fastpath/gpu_arch.py).
+    gpu_arch: str = "auto"
     memory: MemorySettings = field(default_factory=MemorySettings)
 
     def __post_init__(self) -> None:

@@ -26,6 +26,7 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("kv_cache", "auto (the model dtype) or fp8 (half the KV memory per session, CUDA)"),
         ("weights", "auto (as stored) or fp8 (LM projections quantized at load: ~9 GB instead of ~17)"),
         ("compile", "torch.compile the GPU fast path: auto (on for CUDA), on, off"),
+        ("gpu_arch", "GPU capability the engine takes: auto (the device's), or sm80/sm86/sm89/sm90 to act as that GPU"),
         ("cpu_threads", "torch intra-op threads of an engine on the CPU; 0: torch's default"),
     )),
     ("Capacity and device memory", (
