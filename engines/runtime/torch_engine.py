@@ -125,7 +125,8 @@ def check_gpu(options: EngineOptions) -> None:
     (``GpuArchError``).  An fp8 KV cache below 8.9 is refused rather than read by the gather
     path: both of its kernels (the decode attention's e4m3 variant, the fused write) are
     refused by Triton for sm_80 (``python -m engines.tools.check_targets --arch 80``), and
-    the gather path re-reads every window each tick, far from the fast path's pace."""
+    the gather path (which copies each window out of the ring every tick, and whose compiled
+    fp8 write Inductor would emit in e4m3) is not a GPU serving path."""
     device = torch.device(options.device)
     gpu_arch.configure(options.gpu_arch)
     if device.type != "cuda":
