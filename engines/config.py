@@ -34,6 +34,10 @@ DEFAULT_VOICE = "NATF2.pt"
 KV_CACHE_MODES = ("auto", "fp8", "int8")
 # The modes above that store one byte per element beside its scales (``state.kv_ring``).
 SCALED_KV_CACHES = ("fp8", "int8")
+# The GPU capabilities ``PERSONAPLEX_GPU_ARCH`` may force (engines/fastpath/gpu_arch.py): the
+# A100's, the A10/A40/RTX 30xx's, the L4/L40's and the H100/H200's; "auto" is the device's own.
+GPU_ARCH_PROFILES = {"sm80": (8, 0), "sm86": (8, 6), "sm89": (8, 9), "sm90": (9, 0)}
+GPU_ARCH_MODES = ("auto", *GPU_ARCH_PROFILES)
 # Weight and activation dtypes a TensorRT-LLM build may use (convert_checkpoint.py --dtype).
 BUILD_DTYPES = ("bfloat16", "float16", "float32")
 # Its KV cache dtypes (--kv-cache-dtype): the converter writes fp8's scales, no int8 ones.

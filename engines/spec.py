@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from engines.config import BACKENDS, COMPILE_MODES, KV_CACHE_MODES, WEIGHT_MODES, WindowMode
+from engines.config import BACKENDS, COMPILE_MODES, GPU_ARCH_MODES, KV_CACHE_MODES, WEIGHT_MODES, WindowMode
 
 GIB = 1 << 30
 
@@ -58,7 +58,7 @@ def check_engine_options(values: dict[str, Any], name: Callable[[str], str] = st
     are not checked); ``name(field)`` is how a message names one (an environment variable, for
     the server).  Raises ``SpecError``."""
     choices = {"window": WindowMode.ALL, "kv_cache": KV_CACHE_MODES, "weights": WEIGHT_MODES,
-               "compile": COMPILE_MODES, "backend": BACKENDS}
+               "compile": COMPILE_MODES, "backend": BACKENDS, "gpu_arch": GPU_ARCH_MODES}
     for key, allowed in choices.items():
         if key in values and values[key] not in allowed:
             raise SpecError(f"{name(key)} must be one of {', '.join(allowed)}, got {values[key]!r}")
@@ -87,27 +87,6 @@ def check_engine_options(values: dict[str, Any], name: Callable[[str], str] = st
         raise SpecError(f"{name('cpu_threads')} must be >= 0, got {values['cpu_threads']}")
 
 
-# float8 e4m3, the fp8 KV cache's element type, exists from compute capability 8.9 (Ada,
-# Hopper); Triton refuses to compile it for older GPUs (A100: 8.0).
-FP8_KV_MIN_CAPABILITY = (8, 9)
-
-
-def choose_kv_cache(requested: str, capability: tuple[int, int] | None, name: Callable[[str], str] = str) -> str:
-    """The KV cache storage an engine uses for the ``requested`` mode (``KV_CACHE_MODES``) on a
-    device of CUDA compute ``capability`` (None: not a CUDA device).  ``auto`` stays the model
-    dtype everywhere: the 8-bit caches trade accuracy for sessions, the operator's choice
-    (docs/PERFORMANCE.md, "fp8 KV cache: error").  ``fp8`` on a GPU older than 8.9 is refused
-    with one line pointing at ``int8``, the same bytes without e4m3; on the CPU both 8-bit
-    kinds run (eagerly).  Raises ``SpecError``; ``name`` as in ``check_engine_options``."""
-    if requested not in KV_CACHE_MODES:
-        raise SpecError(f"{name('kv_cache')} must be one of {', '.join(KV_CACHE_MODES)}, got {requested!r}")
-    if requested == "fp8" and capability is not None and tuple(capability) < FP8_KV_MIN_CAPABILITY:
-        major, minor = capability
-        raise SpecError(f"{name('kv_cache')}=fp8 needs a GPU of compute capability 8.9 or newer (float8 e4m3), "
-                        f"this one is {major}.{minor}: use {name('kv_cache')}=int8 (the same memory) or auto")
-    return requested
-
-
 @dataclass(frozen=True)
 class EngineSpec:
     # A checkpoint directory, a Hugging Face repo id, "random:<model>", or None: the embedded
@@ -126,6 +105,9 @@ class EngineSpec:
     weights: str = "auto"
     voice_dir: str | Path | None = None  # more voices, served ahead of the checkpoint's
     cpu_threads: int = 0  # torch's intra-op threads for an engine on the CPU; 0: torch's default
+    # The GPU's compute capability as the engine takes it: "auto" (the device's), or a profile
+    # ("sm80", ...) that makes a newer GPU take what that one would (engines/fastpath/gpu_arch.py).
+    gpu_arch: str = "auto"
     memory: MemorySettings = field(default_factory=MemorySettings)
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 # cores, and 8 sessions is the CPU load target (spec/performance.md).
 CPU_DEFAULT_MAX_SESSIONS = 8
 # The settings that are the engine's options (engines/spec.py checks them).
-ENGINE_OPTIONS = ("checkpoint", "backend", "window", "kv_cache", "compile", "weights", "cpu_threads")
+ENGINE_OPTIONS = ("checkpoint", "backend", "window", "kv_cache", "compile", "weights", "cpu_threads", "gpu_arch")
 # Settings whose None is spelled "auto" too (the engine decides).
 AUTO_SETTINGS = ("max_sessions",)
 
@@ -100,6 +100,12 @@ class Settings:
     # after a start that compiled: "auto" = compile/artifacts in the cache directory, "off",
     # or a directory (an image's or a volume's, so a new replica starts like a restart).
     compile_artifacts: str = "auto"
+    # The GPU's compute capability as the engine takes it (engines/fastpath/gpu_arch.py): "auto"
+    # = the device's own; "sm80", "sm86", "sm89", "sm90" force a profile, lower than the
+    # device's only, so that an H200 takes exactly the kernels an A100 would (sm80: no fp8 e4m3
+    # kernel, no scaled_mm; PERSONAPLEX_KV_CACHE=fp8 refused).  docs/DEPLOYMENT.md, "Running on
+    # an A100".
+    gpu_arch: str = "auto"
     # torch's intra-op threads in an engine on the CPU (the demo model); 0 = torch's default,
     # one per core.  One: the tiny model's tick is ~10 % slower on an idle host, and keeps its
     # pace on a busy one, where several threads wait for each other's turn on a core (with two
@@ -310,7 +316,7 @@ class Settings:
                           backend=self.backend, window=self.window, kv_cache=self.kv_cache, compile=self.compile,
                           compile_artifacts=self.compile_artifacts,
                           weights=self.weights, voice_dir=self.voice_dir, cpu_threads=self.cpu_threads,
-                          memory=self.memory_settings())
+                          gpu_arch=self.gpu_arch, memory=self.memory_settings())
 
     def tick_policy_object(self) -> WindowPolicy | PacedPolicy:
         """The scheduler's tick policy, as these settings configure it."""

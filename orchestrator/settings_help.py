@@ -29,6 +29,7 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("compile", "torch.compile the GPU fast path: auto (on for CUDA), on, off"),
         ("compile_artifacts", "torch.compile's portable artifacts: auto (in the cache directory), off, or a "
                               "directory (an image's or a volume's): a new machine starts like a restart"),
+        ("gpu_arch", "GPU capability the engine takes: auto (the device's), or sm80/sm86/sm89/sm90 to act as that GPU"),
         ("cpu_threads", "torch intra-op threads of an engine on the CPU; 0: torch's default"),
     )),
     ("Capacity and device memory", (

@@ -22,7 +22,7 @@ from engines.interface import SamplingParams, SessionSpec
 from engines.model.fp8 import dequantize_fp8, quantize_fp8
 from engines.model.int8 import INT8_MAX, dequantize_int8, quantize_int8
 from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
-from engines.spec import EngineSpec, SpecError, choose_kv_cache
+from engines.spec import EngineSpec, SpecError
 from engines.state.kv_ring import SlotKVRing, kv_bytes_per_slot
 from tests.test_kv_fp8 import _attend_sequence, _tiny_logits
 from tests.triton_interpreter import run_in_interpreter
@@ -231,26 +231,6 @@ def test_the_setting_and_the_spec_take_int8():
     # A TensorRT-LLM build fixes its KV cache dtype at conversion, and has no int8 one.
     with pytest.raises(SpecError, match="kv_cache=int8 needs backend=torch"):
         EngineSpec("build/x", max_slots=2, backend="trtllm", kv_cache="int8")
-
-
-@pytest.mark.parametrize("requested, capability, chosen", [
-    ("auto", (8, 0), "auto"), ("auto", (9, 0), "auto"), ("auto", None, "auto"),
-    ("int8", (8, 0), "int8"), ("int8", (9, 0), "int8"), ("int8", None, "int8"),
-    ("fp8", (8, 9), "fp8"), ("fp8", (9, 0), "fp8"), ("fp8", (12, 0), "fp8"), ("fp8", None, "fp8"),
-])
-def test_choose_kv_cache(requested, capability, chosen):
-    assert choose_kv_cache(requested, capability) == chosen
-
-
-def test_choose_kv_cache_refuses_fp8_before_compute_capability_8_9_in_one_line():
-    for capability in ((8, 0), (8, 6), (7, 5)):
-        with pytest.raises(SpecError) as refused:
-            choose_kv_cache("fp8", capability, name=lambda f: f"PERSONAPLEX_{f.upper()}")
-        line = str(refused.value)
-        assert "\n" not in line and line.startswith("PERSONAPLEX_KV_CACHE=fp8 needs a GPU of compute capability 8.9")
-        assert f"this one is {capability[0]}.{capability[1]}" in line and "PERSONAPLEX_KV_CACHE=int8" in line
-    with pytest.raises(SpecError, match="kv_cache must be one of auto, fp8, int8"):
-        choose_kv_cache("int4", None)
 
 
 def _compile_for(fn, target_capability: int, types: dict[str, str], constexprs: dict):

@@ -41,11 +41,11 @@ SCRIPT = textwrap.dedent("""
                     q, k, v = (torch.randn(2, H, T, D) for _ in range(3))
                     outs = []
                     for use_kernel, ring in zip((False, True), rings):
-                        attention.available = lambda device, on=use_kernel: on
+                        attention.available = lambda device, fp8=False, on=use_kernel: on
                         # Not the fused fp8 write: the interpreter rounds some values to e4m3
                         # wrongly (tests/test_kv_write.py); it is checked on the GPU.  The int8
                         # one is exact here: the kernel path's ring takes it.
-                        kv_write.available = lambda device, head_dim, on=use_kernel and kv_cache == "int8": on
+                        kv_write.available = lambda device, head_dim, fp8=True, on=use_kernel and kv_cache == "int8": on
                         outs.append(ring.attend(1, slots, q, k, v, positions, lo))
                         ring.advance(slots, T)
                     worst = max(worst, (outs[0] - outs[1]).abs().max().item())

@@ -12,7 +12,7 @@ import torch
 
 from engines.config import LMConfig, MimiConfig
 from engines.runtime import memory_probe
-from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine, plan_slots
+from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine, check_gpu, plan_slots
 from engines.model.lm import MoshiLM
 from engines.model.mimi import MimiCodec
 from engines.model.fp8_weights import fp8_state_entries, quantize_lm_tensors
@@ -70,6 +70,7 @@ def build_random_engine(num_slots: int | None, device: str, tokenizer_path: Path
     options = replace(options or EngineOptions(), device=device, window=window, depformer_steps=steps,
                       cuda_graphs=cuda_graphs, kv_cache=kv_cache, compile=compile, weights=weights,
                       fp8_matmul=fp8_matmul, overlap_encode=overlap_encode)
+    check_gpu(options)
     held_before = memory_probe.held_before(dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     lm = random_lm(lm_cfg, steps, dev, dtype, fp8_matmul=fp8_matmul_for(dev, fp8_matmul) if weights == "fp8" else None)

@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from engines.fastpath import gpu_arch
+
 try:
     import triton
     import triton.language as tl
@@ -204,8 +206,11 @@ def decode_attention(
     return out
 
 
-def available(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
+def available(device: torch.device, fp8: bool = False) -> bool:
+    """Whether the kernel runs on ``device``, for a bf16/fp16 cache or (``fp8``) an e4m3 one:
+    Triton refuses e4m3 pointers below compute capability 8.9 (``gpu_arch``), so an fp8 cache
+    there is read by the gather path."""
+    return triton is not None and device.type == "cuda" and (not fp8 or gpu_arch.e4m3_kernels(device))
 
 
 if triton is not None:

@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from engines.fastpath import gpu_arch
+
 try:
     import triton
     import triton.language as tl
@@ -116,7 +118,14 @@ def available(x: torch.Tensor) -> bool:
     if triton is None or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     rows = x.numel() // x.shape[-1]
-    return 1 <= rows <= GEMV_ROWS and (x.is_cuda or _interpreted())
+    return 1 <= rows <= GEMV_ROWS and ((x.is_cuda and device_available(x.device)) or _interpreted())
+
+
+def device_available(device: torch.device) -> bool:
+    """Whether the kernel runs on CUDA ``device``: its weight pointer is e4m3, which Triton
+    refuses below compute capability 8.9 (``gpu_arch``; ``python -m engines.tools.check_targets``
+    shows it refused for sm_80).  There ``layers.linear`` dequantizes instead (W8A16)."""
+    return triton is not None and gpu_arch.e4m3_kernels(device)
 
 
 def _interpreted() -> bool:

@@ -24,6 +24,7 @@ try:
 except ImportError:  # CPU-only installs: the ring writes with indexed assignments
     triton = None
 
+from engines.fastpath import gpu_arch
 from engines.model.fp8 import FP8_MAX
 from engines.model.int8 import INT8_MAX
 
@@ -72,9 +73,12 @@ if triton is not None:
         _quantize_store(V + r * stride_vr + h * stride_vh, VData + at, VScale + scale_at, d, QMAX, INTEGER)
 
 
-def available(device: torch.device, head_dim: int) -> bool:
-    """A GPU, and a power-of-two head size (one program holds one head's vector)."""
-    return triton is not None and device.type == "cuda" and head_dim & (head_dim - 1) == 0
+def available(device: torch.device, head_dim: int, fp8: bool = True) -> bool:
+    """A GPU, a power-of-two head size (one program holds one head's vector), and for an fp8
+    ring (``fp8``) one that runs e4m3 kernels (Triton refuses them below compute capability
+    8.9: ``gpu_arch``); an int8 ring's write runs on any."""
+    return (triton is not None and device.type == "cuda" and head_dim & (head_dim - 1) == 0
+            and (not fp8 or gpu_arch.e4m3_kernels(device)))
 
 
 def write_scaled(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

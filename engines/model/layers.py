@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.fastpath import fp8_gemv
+from engines.fastpath import fp8_gemv, gpu_arch
 from engines.model.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8
 
 # How an fp8 weight is multiplied (``linear``'s ``matmul``), chosen once per model by
@@ -68,16 +68,22 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor)
 
 def fp8_matmul_for(device: torch.device, requested: str = "auto") -> str:
     """The ``matmul`` of fp8 weights on ``device``: "auto" is "scaled_mm" where fp8 tensor
-    cores exist (CUDA compute capability 8.9 and up), else "w8a16".  "scaled_mm" asked for
-    on an older GPU is refused; on CPU it runs (PyTorch's CPU fp8 GEMM: tests measure its
-    numerics there)."""
+    cores exist (CUDA compute capability 8.9 and up, as ``gpu_arch`` takes it: a forced
+    profile counts), else "w8a16".  "scaled_mm" asked for on an older GPU is refused; on CPU
+    it runs (PyTorch's CPU fp8 GEMM: tests measure its numerics there).
+
+    Below 8.9 fp8 weights still work, as W8A16 with no e4m3 Triton kernel: the few-row
+    product (``fp8_gemv``) is not taken there (Triton refuses its e4m3 weight pointer for
+    sm_80: ``python -m engines.tools.check_targets --arch 80``), and ``linear`` dequantizes
+    with torch ops, which convert e4m3 on any CUDA GPU (torch.compile's kernels too: Inductor
+    reads e4m3 inputs as bytes below 8.9, torch/_inductor/codegen/triton_utils.py in 2.13)."""
     if requested not in ("auto", *FP8_MATMULS):
         raise ValueError(f"fp8 matmul must be one of {('auto', *FP8_MATMULS)}, got {requested!r}")
     device = torch.device(device)
-    fp8_cores = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    fp8_cores = gpu_arch.e4m3_kernels(device)
     if requested == "scaled_mm" and device.type == "cuda" and not fp8_cores:
-        raise ValueError(f"fp8 matmul 'scaled_mm' needs a GPU of compute capability 8.9 or newer; {device} is "
-                         f"{torch.cuda.get_device_capability(device)}: use 'w8a16'")
+        raise ValueError(f"fp8 matmul 'scaled_mm' needs a GPU of compute capability 8.9 or newer; "
+                         f"{gpu_arch.describe(device)}: use 'w8a16'")
     if requested != "auto":
         return requested
     return "scaled_mm" if fp8_cores else "w8a16"

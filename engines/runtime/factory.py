@@ -111,6 +111,8 @@ def build_engine(spec: EngineSpec) -> Engine:
     else:
         from engines.runtime.trtllm import create_trtllm_engine
 
+        if spec.gpu_arch != "auto":  # a TensorRT-LLM engine's kernels are chosen when it is built
+            log.warning("PERSONAPLEX_GPU_ARCH=%s is ignored by the trtllm backend", spec.gpu_arch)
         engine = create_trtllm_engine(spec.checkpoint, max_slots=spec.max_slots, device=device, window=spec.window,
                                       kv_cache=spec.kv_cache)
     if artifacts is not None:

@@ -24,6 +24,7 @@ from engines.checkpoints.loader import (
     iter_fp8_copy_tensors,
     iter_lm_tensors,
 )
+from engines.fastpath import gpu_arch
 from engines.fastpath.compiled import compile_dynamic
 from engines.config import SINE_TOKENS, TEXT_PAD_ID
 from engines.interface import WAITING, EngineInfo, Pieces, SessionSpec, to_completion
@@ -88,6 +89,9 @@ class EngineOptions:
     # How fp8 weights multiply (engines.model.layers.linear): "auto" = fp8 tensor cores
     # ("scaled_mm") where the GPU has them, else "w8a16" (dequantize, then the usual GEMM).
     fp8_matmul: str = "auto"
+    # The GPU's compute capability as the engine takes it (engines.fastpath.gpu_arch): "auto",
+    # or a lower profile ("sm80": what an A100 would take, on the GPU at hand).
+    gpu_arch: str = "auto"
     # torch.compile the layer blocks, embeddings, sampling and fp8 writes (CUDA fast path:
     # far fewer kernels per tick; first use of each shape compiles, tens of seconds).
     compile: bool = False
@@ -103,7 +107,8 @@ class EngineOptions:
     memory: MemorySettings = MemorySettings()
 
     def __post_init__(self) -> None:
-        check_engine_options({"window": self.window, "kv_cache": self.kv_cache, "weights": self.weights})
+        check_engine_options({"window": self.window, "kv_cache": self.kv_cache, "weights": self.weights,
+                              "gpu_arch": self.gpu_arch})
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
 
@@ -112,7 +117,27 @@ class EngineOptions:
         """The options ``spec`` gives the PyTorch backend (``backend_only``: the backend's own,
         such as ``depformer_steps``)."""
         return cls(device=spec.device, window=spec.window, kv_cache=spec.kv_cache, weights=spec.weights,
-                   compile=spec.compiled, memory=spec.memory, **backend_only)
+                   compile=spec.compiled, gpu_arch=spec.gpu_arch, memory=spec.memory, **backend_only)
+
+
+def check_gpu(options: EngineOptions) -> None:
+    """At start, before any weight is loaded: the GPU's capability as the engine takes it (its
+    profile set, logged once), and what that GPU cannot run refused in one line
+    (``GpuArchError``).  An fp8 KV cache below 8.9 is refused rather than read by the gather
+    path: both of its kernels (the decode attention's e4m3 variant, the fused write) are
+    refused by Triton for sm_80 (``python -m engines.tools.check_targets --arch 80``), and
+    the gather path (which copies each window out of the ring every tick, and whose compiled
+    fp8 write Inductor would emit in e4m3) is not a GPU serving path."""
+    device = torch.device(options.device)
+    gpu_arch.configure(options.gpu_arch)
+    if device.type != "cuda":
+        if options.gpu_arch != "auto":
+            log.warning("%s=%s has no effect on %s", gpu_arch.SETTING, options.gpu_arch, device)
+        return
+    gpu_arch.capability(device)
+    if options.kv_cache == "fp8":
+        gpu_arch.require_e4m3(device, "PERSONAPLEX_KV_CACHE=fp8",
+                              "set PERSONAPLEX_KV_CACHE=int8 (the same memory, no e4m3) or auto")
 
 
 def plan_slots(lm: MoshiLM, mimi_cfg, num_slots: int | None, options: EngineOptions,
@@ -239,6 +264,7 @@ class PersonaPlexEngine(EngineRuntime):
     ) -> "PersonaPlexEngine":
         """``num_slots`` None: as many as the memory plan fits (``plan_slots``)."""
         device = torch.device(options.device)
+        check_gpu(options)
         # Before anything of ours is on the device: what others (and our CUDA context) hold.
         held_before = memory_probe.held_before(device)
         if options.lm_dtype is not None:

@@ -97,6 +97,7 @@ class SlotKVRing:
         self.dtype = dtype  # what attention computes in and ``export`` returns
         self.kv_cache = kv_cache
         self.scaled = kv_cache in SCALED_STORAGE  # 8-bit values with a scale per (position, head)
+        self.fp8 = kv_cache == "fp8"  # its kernels need e4m3 (gpu_arch): not below compute capability 8.9
         store, quantize, dequantize = SCALED_STORAGE.get(kv_cache, (dtype, None, None))
         shape = (num_layers, num_slots, num_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=store)
@@ -155,7 +156,7 @@ class SlotKVRing:
             # Streaming step on a GPU (the LM's 1 token, Mimi's 2): write the keys, then
             # read each slot's window in place instead of gathering it; each query is one
             # row of the kernel.
-            if self.scaled and kv_write.available(q.device, D):  # one kernel for the whole write
+            if self.scaled and kv_write.available(q.device, D, fp8=self.fp8):  # one kernel for the whole write
                 kv_write.write_scaled(k.transpose(1, 2).reshape(B * T, H, D), v.transpose(1, 2).reshape(B * T, H, D),
                                       self.keys[layer], self.values[layer], self.key_scales[layer],
                                       self.value_scales[layer], plan.rows, plan.ring_idx.reshape(-1))
@@ -187,7 +188,7 @@ class SlotKVRing:
         plan = self._plan
         if plan is not None and plan.slots is slots and plan.positions is positions and plan.lo is lo:
             return plan
-        decode = positions.shape[1] <= DECODE_MAX_TOKENS and gpu_attention.available(device)
+        decode = positions.shape[1] <= DECODE_MAX_TOKENS and gpu_attention.available(device, fp8=self.fp8)
         self._plan = plan = _CallPlan(slots, positions, lo, self.capacity, decode)
         return plan
 

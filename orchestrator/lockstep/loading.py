@@ -13,14 +13,15 @@ import numpy as np
 
 from engines import progress
 from engines.config import FRAME_SAMPLES, ConfigError
-from engines.errors import AudioInputError, CheckpointError, MemoryPlanError
+from engines.errors import AudioInputError, CheckpointError, GpuArchError, MemoryPlanError
 from engines.interface import Engine, EngineInfo, SessionSpec
 
 log = logging.getLogger(__name__)
 
-# Load failures caused by the checkpoint, a voice or the machine (not by this code): logged as
-# one line (the server stays up; /health says why).
-_INPUT_LOAD_ERRORS = (CheckpointError, ConfigError, AudioInputError, OSError, MemoryError, MemoryPlanError)
+# Load failures caused by the checkpoint, a voice, the machine or a setting the GPU cannot run
+# (not by this code): logged as one line (the server stays up; /health says why).
+_INPUT_LOAD_ERRORS = (CheckpointError, ConfigError, AudioInputError, OSError, MemoryError, MemoryPlanError,
+                      GpuArchError)
 
 
 class EngineLoad:
