@@ -94,14 +94,15 @@ def test_the_fused_fp8_write_stores_what_the_ring_stores_on_the_gpu():
         assert (error <= torch.abs(torch.nextafter(scale, scale * 2) - scale)).all(), error.max()
 
 
-def test_the_fused_write_is_taken_for_power_of_two_heads_on_a_gpu_with_e4m3_only():
+def test_the_fused_write_is_taken_for_power_of_two_heads_and_for_fp8_on_a_gpu_with_e4m3_only():
     from engines.fastpath import gpu_arch, kv_write
 
     with gpu_arch.simulated((9, 0)):  # as the engine takes an H200, no GPU asked
         assert kv_write.available(torch.device("cuda"), 128) and kv_write.available(torch.device("cuda"), 64)
         assert not kv_write.available(torch.device("cuda"), 96)  # one program holds one head's vector
-    with gpu_arch.simulated((8, 0)):  # an A100: Triton refuses e4m3 for sm_80
+    with gpu_arch.simulated((8, 0)):  # an A100: Triton refuses e4m3 for sm_80, compiles int8
         assert not kv_write.available(torch.device("cuda"), 128)
+        assert kv_write.available(torch.device("cuda"), 128, fp8=False)
     assert not kv_write.available(torch.device("cpu"), 128)
 
 
