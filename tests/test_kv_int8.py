@@ -24,7 +24,7 @@ from engines.model.int8 import INT8_MAX, dequantize_int8, quantize_int8
 from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
 from engines.spec import EngineSpec, SpecError
 from engines.state.kv_ring import SlotKVRing, kv_bytes_per_slot
-from tests.test_kv_fp8 import _attend_sequence, _tiny_logits
+from tests.test_kv_fp8 import _attend_sequence, _tiny_logits, logits_against_exact
 from tests.triton_interpreter import run_in_interpreter
 
 
@@ -168,20 +168,8 @@ def test_decode_kernel_reads_int8_windows_in_the_interpreter():
 
 
 def test_int8_cache_moves_tiny_model_logits_little(tiny_checkpoint):
-    """Text logits teacher-forced over three trips around the window, from a prompt installed
-    into the int8 ring, against the exact float32 cache (the fp8 test's method)."""
-    files = ckpt.locate(tiny_checkpoint)
-    exact = PersonaPlexEngine.from_files(files, 1, EngineOptions())
-    int8 = PersonaPlexEngine.from_files(files, 1, EngineOptions(kv_cache="int8"))
-    assert int8.kv.keys.dtype == torch.int8 and exact.kv.keys.dtype == torch.float32
-    cfg = exact.cfg
-    g = torch.Generator().manual_seed(3)
-    n = 3 * cfg.context
-    frames = torch.cat([torch.randint(0, cfg.text_card, (n, 1), generator=g),
-                        torch.randint(0, cfg.card, (n, cfg.num_streams - 1), generator=g)], dim=1)
-    want, got = _tiny_logits(exact, frames), _tiny_logits(int8, frames)
-    rel = float((got - want).norm() / want.norm())
-    agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+    """The fp8 test's method and data (tests/test_kv_fp8.logits_against_exact)."""
+    rel, agree = logits_against_exact(tiny_checkpoint, "int8")
     # Measured 2026-12-05: rel 0.42 % and 100 % argmax agreement (fp8 by the same test: 2.1 %
     # and 96 %, tests/test_kv_fp8.py).
     assert rel < 0.01, rel

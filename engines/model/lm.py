@@ -187,7 +187,7 @@ class MoshiLM(nn.Module):
         # of another size: a second compilation), as do the steps' masks, built once here.
         steps = self.depformer_steps
         self._window = window
-        self._step_weights = [static_shapes(_without_table(self._build_step_weights(k))) for k in range(steps)]
+        self._step_weights = [static_shapes(_without_table(self.depformer_step_weights(k))) for k in range(steps)]
         position = torch.arange(steps, device=self.device)
         self._step_masks = [static_shapes((position == k, (position <= k) & (position >= first)))
                             for k, first in enumerate(self._first_visible_steps(steps))]
@@ -315,10 +315,7 @@ class MoshiLM(nn.Module):
         return [depformer_first_visible(k, self.cfg.dep_q, self._window) for k in range(steps)]
 
     def depformer_step_weights(self, k: int) -> DepformerStepWeights:
-        """``depformer_step``'s weights of codebook step ``k``."""
-        return self._build_step_weights(k)
-
-    def _build_step_weights(self, k: int) -> DepformerStepWeights:
+        """``depformer_step``'s weights of codebook step ``k`` (views of the parameters)."""
         fp8 = self.fp8_matmul is not None
         layers = tuple(
             (layer.norm1, layer.in_proj[k], layer.in_proj_scale[k] if fp8 else None, layer.out_proj[k], layer.norm2,
