@@ -23,8 +23,8 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("devices", "one engine per listed device: 0,1 or cuda:0,cuda:1 or all; set this or --device"),
         ("backend", "torch, or trtllm with a convert_checkpoint.py build directory"),
         ("window", "attention window policy handed to the engine"),
-        ("kv_cache", "auto (the model dtype), fp8 (half the KV memory per session, CUDA 8.9+) or int8 (the "
-                     "same, any GPU)"),
+        ("kv_cache", "auto (exact, the model dtype, unless max_sessions needs the 8-bit cache: fp8 on CUDA "
+                     "8.9+, else int8), fp8 (~half the KV memory per session, CUDA 8.9+) or int8 (the same, any GPU)"),
         ("weights", "auto (as stored) or fp8 (LM projections quantized at load: ~9 GB instead of ~17)"),
         ("compile", "torch.compile the GPU fast path: auto (on for CUDA), on, off"),
         ("compile_artifacts", "torch.compile's portable artifacts: auto (in the cache directory), off, or a "

@@ -4,6 +4,7 @@ real engine allocates on the tiny model, and what it decides (auto) or refuses (
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 import warnings
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from engines.errors import MemoryPlanError
 from engines.runtime.factory import create_engine
-from engines.runtime.memory_plan import MemoryPlan, PlanItem, choose_sessions
+from engines.runtime.memory_plan import MemoryPlan, PlanItem, choose_kv_cache, choose_sessions
 from engines.spec import GIB, MemorySettings
 
 MIB = 1 << 20
@@ -40,6 +41,34 @@ def test_the_plan_fits_sessions_beside_its_items():
     lines = choose_sessions(plan, None, "x").lines()
     assert len(lines) == 1 + 1 + 3 and lines[0].startswith("memory plan (estimate) for 80 sessions on cuda:0")
     assert choose_sessions(plan, None, "x").as_dict()["items"]["joins"] == {"bytes": 2 * GIB, "source": "setting"}
+
+
+def test_kv_cache_auto_chooses_by_the_sessions_asked_for():
+    """The choice's arithmetic: exact (the model dtype) wherever the sessions asked for fit it
+    and for auto sessions, the 8-bit cache only where it alone fits them; neither fitting, the
+    8-bit plan, whose refusal names the most any cache fits."""
+    exact = replace(_plan(100 * GIB, 2 * GIB, weights=19 * GIB), kv_cache="auto")  # 39 fit
+    compact = replace(_plan(100 * GIB, GIB, weights=19 * GIB), kv_cache="fp8")  # 80 fit
+    name = "PERSONAPLEX_MAX_SESSIONS"
+    for asked in (None, 1, 39):
+        chosen = choose_kv_cache(asked, exact, compact, name)
+        assert chosen.kv_cache == "auto" and chosen.per_session == 2 * GIB
+    assert choose_kv_cache(None, exact, compact, name).kv_choice == (
+        "exact, the sessions are auto: 39 sessions fit (the fp8 cache would fit 80: PERSONAPLEX_KV_CACHE=fp8)")
+    for asked in (40, 80):
+        chosen = choose_kv_cache(asked, exact, compact, name)
+        assert chosen.kv_cache == "fp8" and chosen.per_session == GIB
+        assert chosen.kv_choice == (f"fp8, PERSONAPLEX_MAX_SESSIONS={asked} does not fit the exact cache "
+                                    "(at most 39); the fp8 cache fits up to 80")
+    neither = choose_kv_cache(81, exact, compact, name)
+    assert neither.kv_cache == "fp8" and "fits neither" in neither.kv_choice
+    with pytest.raises(MemoryPlanError, match="set it to 80 or less"):
+        choose_sessions(neither, 81, name)
+    # Capped like auto sessions: past the largest graph bucket the 8-bit cache buys nothing.
+    roomy = replace(_plan(1000 * GIB, 2 * GIB, weights=19 * GIB), kv_cache="auto")
+    assert choose_kv_cache(160, roomy, replace(roomy, kv_cache="int8", per_session=GIB), name).kv_cache == "auto"
+    assert "would fit" not in choose_kv_cache(None, roomy, replace(roomy, kv_cache="int8", per_session=GIB),
+                                              name).kv_choice
 
 
 def _live_tensor_bytes() -> int:
@@ -84,9 +113,10 @@ def test_the_plan_is_what_the_engine_allocates_on_the_tiny_model(kv_cache):
 
 def test_auto_takes_the_most_that_fit_and_a_number_that_does_not_fit_is_refused():
     """With a limit to plan against, the tiny engine on CPU sizes itself (auto) and refuses a
-    count past it with the one line; the settled plan has run the longest join."""
+    count past it with the one line; the settled plan has run the longest join.  (The KV
+    cache named: with auto, a count past the exact cache's fit takes the 8-bit one, below.)"""
     memory = MemorySettings(limit_bytes=64 * MIB, margin_bytes=MIB, prefill_cache_bytes=4 * MIB)
-    engine = create_engine(None, max_slots=None, device="cpu", memory=memory)
+    engine = create_engine(None, max_slots=None, device="cpu", memory=memory, kv_cache="int8")
     plan = engine.memory_plan
     assert engine.num_slots == plan.sessions == min(plan.largest_fit(), 160) and plan.fits
     settled = engine.settle_memory_plan()
@@ -95,7 +125,33 @@ def test_auto_takes_the_most_that_fit_and_a_number_that_does_not_fit_is_refused(
     too_many = plan.largest_fit() + 1
     with pytest.raises(MemoryPlanError, match=f"max_sessions={too_many} does not fit .* set it to "
                                               f"{plan.largest_fit()} or less"):
-        create_engine(None, max_slots=too_many, device="cpu", memory=memory)
+        create_engine(None, max_slots=too_many, device="cpu", memory=memory, kv_cache="int8")
+
+
+def test_kv_cache_auto_is_exact_unless_the_sessions_asked_for_need_the_8bit_cache():
+    """``PERSONAPLEX_KV_CACHE=auto`` on the real engine (tiny model, CPU, a limit to plan
+    with): auto sessions and a count the exact cache fits take the exact cache (the model
+    dtype); one session more takes the 8-bit cache this device runs (int8: no e4m3 on a CPU)
+    and fits; past the 8-bit cache's fit, the refusal names its largest.  (43 MiB: ~39 for the
+    weights and items, room for ~60 exact slots of 59 KiB, ~100 int8 ones of 37 KiB.)"""
+    memory = MemorySettings(limit_bytes=43 * MIB, margin_bytes=MIB, prefill_cache_bytes=4 * MIB)
+    auto = create_engine(None, max_slots=None, device="cpu", memory=memory)
+    exact_fit = auto.memory_plan.largest_fit()
+    assert auto.kv.kv_cache == auto.memory_plan.kv_cache == "auto" and auto.num_slots == exact_fit
+    assert auto.memory_plan.kv_choice.startswith("exact, the sessions are auto")
+    assert auto.memory_plan.as_dict()["kv_cache"] == "exact"
+    asked = create_engine(None, max_slots=exact_fit, device="cpu", memory=memory)
+    assert asked.kv.kv_cache == "auto"
+    more = create_engine(None, max_slots=exact_fit + 1, device="cpu", memory=memory)
+    plan = more.memory_plan
+    assert more.kv.kv_cache == plan.kv_cache == "int8" and more.num_slots == exact_fit + 1 and plan.fits
+    assert plan.kv_choice.startswith(f"int8, max_sessions={exact_fit + 1} does not fit the exact cache")
+    assert plan.as_dict()["kv_cache"] == "int8" and plan.per_session < auto.memory_plan.per_session
+    compact_fit = plan.largest_fit()
+    assert compact_fit > exact_fit
+    with pytest.raises(MemoryPlanError, match=f"max_sessions={compact_fit + 1} does not fit .* set it to "
+                                              f"{compact_fit} or less"):
+        create_engine(None, max_slots=compact_fit + 1, device="cpu", memory=memory)
 
 
 def test_no_plan_on_cpu_without_a_limit():
@@ -120,6 +176,7 @@ def test_the_server_sizes_its_engine_by_the_plan_and_shows_the_plan_in_ready():
         assert ready["max_sessions"] == plan["sessions"] == min(plan["largest_fit"], 160) > 8
         assert set(plan["items"]) == {"not_ours", "weights", "graphs", "joins", "prefill_cache", "margin"}
         assert plan["total_bytes"] <= plan["device_bytes"]
+        assert plan["kv_cache"] == "exact" and plan["kv_choice"].startswith("exact, the sessions are auto")
         logged = [line for line in server.logs().splitlines() if "memory plan (measured)" in line]
         assert len(logged) == 1 and f"for {plan['sessions']} sessions on cpu" in logged[0]
     finally:
@@ -148,7 +205,8 @@ def test_a_max_sessions_past_the_plan_fails_the_engines_start_with_one_line():
         assert server.get("/health")[0] == 503
         lines = [line for line in server.logs().splitlines() if "does not fit the memory of cpu" in line]
         assert lines, server.logs()[-3000:]
-        match = re.search(r"PERSONAPLEX_MAX_SESSIONS=1000 does not fit the memory of cpu: set it to (\d+) or less",
+        match = re.search(r"PERSONAPLEX_MAX_SESSIONS=1000 does not fit the memory of cpu even with the int8 KV cache: "
+                          r"set it to (\d+) or less",
                           lines[0])
         assert match and 8 < int(match.group(1)) < 1000, lines[0]
         assert "Traceback" not in server.logs()

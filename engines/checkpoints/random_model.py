@@ -74,7 +74,7 @@ def build_random_engine(num_slots: int | None, device: str, tokenizer_path: Path
     held_before = memory_probe.held_before(dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     lm = random_lm(lm_cfg, steps, dev, dtype, fp8_matmul=fp8_matmul_for(dev, fp8_matmul) if weights == "fp8" else None)
-    num_slots, plan = plan_slots(lm, mimi_cfg, num_slots, options, held_before)
+    num_slots, plan, options = plan_slots(lm, mimi_cfg, num_slots, options, held_before)
     mimi = random_mimi(mimi_cfg, num_slots + 1, dev)
     voices = VoiceStore(None, None, None, lm_cfg.dim, lm_cfg.num_streams)
     for i, name in enumerate(voice_names):

@@ -34,6 +34,8 @@ from engines.spec import GIB
 
 # Sessions ``auto`` never goes past: the largest tick-graph bucket.
 AUTO_MAX_SESSIONS = 160
+# The KV storages as an operator reads them ("auto" at the storage level is the model dtype).
+KV_NAMES = {"auto": "exact", "fp8": "fp8", "int8": "int8"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class MemoryPlan:
     items: tuple[PlanItem, ...]  # everything but the sessions, in the order the module doc lists them
     stage: str = "estimate"  # "estimate" (before allocating) or "measured" (after the dry run)
     auto: bool = False  # the sessions are the most that fit (not asked for)
+    # The temporal KV cache's storage the sessions were planned with ("auto": the model dtype,
+    # exact; "fp8"; "int8") and, where PERSONAPLEX_KV_CACHE=auto chose it, why (choose_kv_cache).
+    kv_cache: str = "auto"
+    kv_choice: str = ""
 
     @property
     def session_bytes(self) -> int:
@@ -90,7 +96,8 @@ class MemoryPlan:
 
     def lines(self) -> list[str]:
         """The plan for the log, one line per item."""
-        head = (f"memory plan ({self.stage}) for {self.sessions} sessions on {self.device}: "
+        head = (f"memory plan ({self.stage}) for {self.sessions} sessions on {self.device}, "
+                f"KV cache {KV_NAMES.get(self.kv_cache, self.kv_cache)}: "
                 f"{_size(self.total)} of {_size(self.device_bytes)}, {_size(self.spare)} spare")
         rows = [f"  sessions: {_size(self.session_bytes)} ({self.sessions} + 1 scratch x "
                 f"{_size(self.per_session)}, computed)"]
@@ -110,7 +117,9 @@ class MemoryPlan:
         fix = (f"set it to {largest} or less, or free memory (plan: {self.summary()})" if largest
                else f"not even one session fits (plan: {self.summary()})")
         asked = f"auto ({self.sessions})" if self.auto else self.sessions
-        return f"{asked_by}={asked} does not fit the memory of {self.device}: {fix}"
+        # Where PERSONAPLEX_KV_CACHE=auto chose the 8-bit cache, the largest is already its.
+        even = f" even with the {KV_NAMES[self.kv_cache]} KV cache" if self.kv_choice and self.kv_cache != "auto" else ""
+        return f"{asked_by}={asked} does not fit the memory of {self.device}{even}: {fix}"
 
     def as_dict(self) -> dict[str, Any]:
         """The plan for ``/ready`` (bytes)."""
@@ -118,7 +127,8 @@ class MemoryPlan:
             "stage": self.stage, "device": self.device, "device_bytes": self.device_bytes,
             "sessions": self.sessions, "per_session_bytes": self.per_session,
             "session_bytes": self.session_bytes, "total_bytes": self.total, "spare_bytes": self.spare,
-            "largest_fit": self.largest_fit(),
+            "largest_fit": self.largest_fit(), "kv_cache": KV_NAMES.get(self.kv_cache, self.kv_cache),
+            "kv_choice": self.kv_choice,
             "items": {item.name: {"bytes": item.bytes, "source": item.source} for item in self.items},
         }
 
@@ -143,3 +153,27 @@ def choose_sessions(plan: MemoryPlan, asked: int | None, asked_by: str) -> Memor
     if not plan.fits:
         raise MemoryPlanError(plan.refusal(asked_by))
     return plan
+
+
+def choose_kv_cache(asked: int | None, exact: MemoryPlan, compact: MemoryPlan, asked_by: str) -> MemoryPlan:
+    """What ``PERSONAPLEX_KV_CACHE=auto`` takes, given the plan with the exact cache (the model
+    dtype: ``exact``) and with the device's 8-bit cache (``compact``: fp8 where the GPU has e4m3,
+    else int8; one byte an element and a scale per head vector, ~half the bytes): the exact
+    cache wherever the sessions asked for fit it, and with ``asked`` None (auto: as many as
+    fit), since more sessions at a quantised cache is the operator's trade to make, not ours
+    (the error figures: docs/PERFORMANCE.md); the 8-bit cache only where ``asked`` sessions fit
+    it and not the exact one.  Neither fitting, the 8-bit plan comes back, so that the refusal
+    ``choose_sessions`` gives names the most sessions any cache fits.  The plan returned
+    carries the choice and its reason (``kv_choice``)."""
+    kind = KV_NAMES[compact.kv_cache]
+    exact_fit, compact_fit = min(exact.largest_fit(), AUTO_MAX_SESSIONS), min(compact.largest_fit(), AUTO_MAX_SESSIONS)
+    if asked is None or asked <= exact_fit:
+        why = ("the sessions are auto" if asked is None else f"{asked_by}={asked} fits it") + (
+            f": {exact_fit} sessions fit (the {kind} cache would fit {compact_fit}: PERSONAPLEX_KV_CACHE={kind})"
+            if compact_fit > exact_fit else f": {exact_fit} sessions fit")
+        return replace(exact, kv_choice=f"exact, {why}")
+    if asked <= compact_fit:
+        return replace(compact, kv_choice=(f"{kind}, {asked_by}={asked} does not fit the exact cache (at most "
+                                           f"{exact_fit}); the {kind} cache fits up to {compact_fit}"))
+    return replace(compact, kv_choice=f"{kind}, the smaller cache; {asked_by}={asked} fits neither (exact at most "
+                                      f"{exact_fit}, {kind} at most {compact_fit})")

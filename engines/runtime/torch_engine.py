@@ -45,7 +45,7 @@ from engines.model.prefill import (
 from engines.runtime.engine_runtime import EngineRuntime
 from engines.runtime import memory_probe
 from engines.errors import MemoryPlanError
-from engines.runtime.memory_plan import MemoryPlan, PlanItem, choose_sessions
+from engines.runtime.memory_plan import MemoryPlan, PlanItem, choose_kv_cache, choose_sessions
 from engines.spec import EngineSpec, MemorySettings, check_engine_options
 from engines.state.prompt_kv import PromptKV
 from engines.model.sampling import (
@@ -141,21 +141,29 @@ def check_gpu(options: EngineOptions) -> None:
 
 
 def plan_slots(lm: MoshiLM, mimi_cfg, num_slots: int | None, options: EngineOptions,
-               held_before: tuple[int, int] | None) -> tuple[int, MemoryPlan | None]:
-    """The slots to allocate and the memory plan behind them (None where none is made: planning
-    off, or on CPU without a memory limit), once ``lm`` is loaded and before the slots are
-    allocated; ``num_slots`` None: the most that fit.  ``held_before``: the device's (free,
-    total) before the engine loaded anything (``memory_probe.held_before``).  Logs the plan;
-    ``MemoryPlanError`` if ``num_slots`` does not fit."""
+               held_before: tuple[int, int] | None) -> tuple[int, MemoryPlan | None, EngineOptions]:
+    """The slots to allocate, the memory plan behind them (None where none is made: planning
+    off, or on CPU without a memory limit) and ``options`` with the KV cache's storage decided
+    (``kv_cache`` "auto": ``memory_plan.choose_kv_cache``), once ``lm`` is loaded and before the
+    slots are allocated; ``num_slots`` None: the most that fit.  ``held_before``: the device's
+    (free, total) before the engine loaded anything (``memory_probe.held_before``).  Logs the
+    plan; ``MemoryPlanError`` if ``num_slots`` does not fit."""
     memory = options.memory
     if not memory.enabled or (lm.device.type != "cuda" and memory.limit_bytes is None):
         if num_slots is None:
             raise ValueError("num_slots=None (as many as fit) needs a GPU or a memory limit to plan with")
-        return num_slots, None
-    plan = choose_sessions(_initial_plan(lm, mimi_cfg, options, held_before), num_slots, memory.sessions_setting)
+        return num_slots, None, options  # no plan to choose by: "auto" stays the exact cache
+    plan = _initial_plan(lm, mimi_cfg, options, held_before)
+    if options.kv_cache == "auto":
+        compact = "fp8" if gpu_arch.e4m3_kernels(lm.device) else "int8"
+        plan = choose_kv_cache(num_slots, plan, _initial_plan(lm, mimi_cfg, replace(options, kv_cache=compact),
+                                                              held_before), memory.sessions_setting)
+        log.info("PERSONAPLEX_KV_CACHE=auto: the KV cache is %s", plan.kv_choice)
+        options = replace(options, kv_cache=plan.kv_cache)
+    plan = choose_sessions(plan, num_slots, memory.sessions_setting)
     for line in plan.lines():
         log.info("%s", line)
-    return plan.sessions, plan
+    return plan.sessions, plan, options
 
 
 def _initial_plan(lm: MoshiLM, mimi_cfg, options: EngineOptions, held_before: tuple[int, int] | None) -> MemoryPlan:
@@ -186,7 +194,7 @@ def _initial_plan(lm: MoshiLM, mimi_cfg, options: EngineOptions, held_before: tu
         PlanItem("margin", memory.margin_bytes, "setting"),
     )
     per_session = memory_probe.per_slot_bytes(cfg, mimi_cfg, options.window, lm.dtype, options.kv_cache)
-    return MemoryPlan(str(lm.device), device_bytes, 0, per_session, items)
+    return MemoryPlan(str(lm.device), device_bytes, 0, per_session, items, kv_cache=options.kv_cache)
 
 
 def _sample_static(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor,
@@ -297,7 +305,7 @@ class PersonaPlexEngine(EngineRuntime):
         log.info("loading Mimi weights from %s", files.mimi_weights)
         progress.report(progress.WEIGHTS, files.mimi_weights.name)
         mimi_state = SafetensorsReader(files.mimi_weights).state_dict()
-        num_slots, plan = plan_slots(lm, files.mimi_config, num_slots, options, held_before)
+        num_slots, plan, options = plan_slots(lm, files.mimi_config, num_slots, options, held_before)
         mimi = MimiCodec.from_state_dict(files.mimi_config, mimi_state, num_slots + 1,
                                          window=options.window, device=device)
         tokenizer = TextTokenizer(files.tokenizer)

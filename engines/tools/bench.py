@@ -20,6 +20,7 @@ import gc
 import json
 import logging
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -31,7 +32,8 @@ import numpy as np
 import torch
 import torch._dynamo
 
-from engines.config import FRAME_SAMPLES, SCALED_KV_CACHES, LMConfig
+from engines.config import FRAME_SAMPLES, GPU_ARCH_MODES, SCALED_KV_CACHES, LMConfig
+from engines.fastpath import gpu_arch
 from engines.spec import MemorySettings
 from engines.runtime.torch_engine import EngineOptions, PersonaPlexEngine
 from engines.interface import SamplingParams, SessionSpec, to_completion
@@ -367,7 +369,7 @@ def run_config(config: BenchConfig, batch_sizes: list[int], args, tokenizer: Pat
                                  compile=config.compile, weights=config.weights, fp8_matmul=config.fp8_matmul,
                                  overlap_encode=config.overlap_encode,
                                  # Sized here (slots_that_fit), not by the server's memory plan.
-                                 options=EngineOptions(memory=MemorySettings(enabled=False)))
+                                 options=EngineOptions(memory=MemorySettings(enabled=False), gpu_arch=args.gpu_arch))
     weights_gb = engine.lm.weight_bytes() / 1e9
     log.info("%s: built a 7B-shaped engine with %d slots in %.1f s (LM weights %s)", config.name,
              slots, time.perf_counter() - t0, engine.lm.describe_weights())
@@ -446,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="run ticks eagerly (gives the per-stage split; graphed ticks report the whole tick)")
     parser.add_argument("--speech", default=None, help="24 kHz speech WAV fed as user audio (default: synthetic)")
+    parser.add_argument("--gpu-arch", choices=GPU_ARCH_MODES, default=os.environ.get(gpu_arch.SETTING, "auto"),
+                        help="the GPU capability the engine takes, as the server's PERSONAPLEX_GPU_ARCH (its "
+                             "default): auto, or sm80 to time on this GPU what an A100 would run")
     parser.add_argument("--output", required=True, help="JSON file to write (rewritten after each section)")
     args = parser.parse_args(argv)
     # Timestamps: a device call's log tells where its minutes went (compilation, captures).
@@ -461,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: the benchmark needs a CUDA device", file=sys.stderr)
         return 2
+    gpu_arch.configure(args.gpu_arch)  # before the first kernel is chosen (the KV error below)
     if args.speech:
         from engines.audio_io import read_audio
 
@@ -479,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_revision": git_revision(),
         "gpu": torch.cuda.get_device_name(),
+        "gpu_arch": gpu_arch.describe(torch.device("cuda")),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "parameters": vars(args),
