@@ -9,11 +9,14 @@ prints the best (graphed) configuration with its effective bandwidth over the KV
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
 
-from engines.fastpath import attention
+from engines.config import GPU_ARCH_MODES
+from engines.errors import GpuArchError
+from engines.fastpath import attention, gpu_arch
 
 
 def _time(fn, reps: int = 50) -> float:
@@ -44,8 +47,16 @@ def main() -> None:
     kind.add_argument("--fp8", action="store_true", help="fp8 cache with per-(position, head) scales")
     kind.add_argument("--int8", action="store_true", help="int8 cache with per-(position, head) scales")
     parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--gpu-arch", choices=GPU_ARCH_MODES, default=os.environ.get(gpu_arch.SETTING, "auto"),
+                        help="the GPU capability taken, as the server's PERSONAPLEX_GPU_ARCH (its default)")
     args = parser.parse_args()
     scaled = "fp8" if args.fp8 else "int8" if args.int8 else None
+    gpu_arch.configure(args.gpu_arch)
+    if scaled == "fp8":  # the e4m3 variant: Triton refuses it below 8.9
+        try:
+            gpu_arch.require_e4m3(torch.device("cuda"), "--fp8", "time --int8 instead")
+        except GpuArchError as refused:
+            raise SystemExit(f"bench_attention: {refused}") from None
     H, C, D = 32, 3000, 128
     for B in (int(b) for b in args.batch_sizes.split(",")):
         S = B + 1

@@ -8,7 +8,9 @@ time (CUDA-graph replays, no launch overhead, as in the engine's tick) of:
 ``bf16`` (``F.linear`` on the bf16 weight), ``gemv`` (``fastpath.fp8_gemv``, M <= its
 ``KERNEL_ROWS``; ``layers.linear`` takes it up to ``GEMV_ROWS``), and its two products for more rows,
 compiled as in the engine's pieces: ``scaled_mm`` (per-row activation quantization +
-``torch._scaled_mm``) and ``w8a16`` (dequantize, then the bf16 GEMM).  Each graph runs the product over enough copies of the
+``torch._scaled_mm``) and ``w8a16`` (dequantize, then the bf16 GEMM).  On a GPU without fp8 e4m3
+(compute capability < 8.9, or ``--gpu-arch sm80``: what an A100 runs) only ``bf16`` and
+``w8a16`` are timed, the products the engine takes there.  Each graph runs the product over enough copies of the
 weight to pass the GPU's L2 cache (in the tick, ~8-15 GB of other weights come between two
 reads of one layer's), and the time is per product.  The effective bandwidth is the
 weight's bytes over the time.  ``--sweep`` also times the gemv kernel's configurations at
@@ -23,12 +25,13 @@ import datetime
 import itertools
 import json
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
-from engines.config import LMConfig
-from engines.fastpath import fp8_gemv
+from engines.config import GPU_ARCH_MODES, LMConfig
+from engines.fastpath import fp8_gemv, gpu_arch
 from engines.fastpath.compiled import compile_dynamic
 from engines.model.fp8_weights import quantize_weight
 from engines.model.fp8 import dequantize_fp8
@@ -54,10 +57,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,4,16,128", help="comma-separated row counts M")
     parser.add_argument("--sweep", action="store_true", help=f"also sweep the gemv configurations at M = {SWEEP_ROWS}")
+    parser.add_argument("--gpu-arch", choices=GPU_ARCH_MODES, default=os.environ.get(gpu_arch.SETTING, "auto"),
+                        help="the GPU capability taken, as the server's PERSONAPLEX_GPU_ARCH (its default)")
     parser.add_argument("--output", required=True, help="JSON file to write")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8_gemm: needs a CUDA GPU")
+    gpu_arch.configure(args.gpu_arch)
+    # Below 8.9 Triton refuses the gemv's e4m3 loads and there are no fp8 tensor cores.
+    e4m3 = gpu_arch.e4m3_kernels(torch.device("cuda"))
+    if not e4m3:
+        print(f"{gpu_arch.describe(torch.device('cuda'))}: no fp8 e4m3, so bf16 and w8a16 only", flush=True)
+        if args.sweep:
+            raise SystemExit("bench_fp8_gemm: --sweep times the e4m3 gemv, which this GPU (as taken) does not run")
     rows_list = [int(r) for r in args.rows.split(",")]
     # The two products of layers.linear for more rows than the gemv takes, timed at every M.
     scaled_mm = compile_dynamic(scaled_mm_linear)
@@ -72,9 +84,10 @@ def main() -> None:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             row = {"weight": name, "N": N, "K": K, "M": M, "copies": count,
                    "bf16_ms": per_copy_time(lambda w: F.linear(x, w), weights),
-                   "scaled_mm_ms": per_copy_time(lambda q: scaled_mm(x, q.data, q.scale), quantized),
                    "w8a16_ms": per_copy_time(lambda q: w8a16(x, q.data, q.scale), quantized)}
-            if M <= fp8_gemv.KERNEL_ROWS:
+            if e4m3:
+                row["scaled_mm_ms"] = per_copy_time(lambda q: scaled_mm(x, q.data, q.scale), quantized)
+            if e4m3 and M <= fp8_gemv.KERNEL_ROWS:
                 row["gemv_ms"] = per_copy_time(lambda q: fp8_gemv.fp8_gemv(x, q.data, q.scale), quantized)
             results.append(row)
             print(f"{name:>20} M={M:<4} " + "  ".join(f"{k[:-3]} {v * 1e3:7.1f} us" for k, v in row.items()
@@ -105,7 +118,8 @@ def main() -> None:
             continue
         gemv = r.get("gemv_ms")
         print(f" {r['weight']:<20} {r['M']:>4} {r['bf16_ms'] * 1e3:9.1f} "
-              f"{(gemv or float('nan')) * 1e3:8.1f} {r['scaled_mm_ms'] * 1e3:13.1f} {r['w8a16_ms'] * 1e3:9.1f} "
+              f"{(gemv or float('nan')) * 1e3:8.1f} {r.get('scaled_mm_ms', float('nan')) * 1e3:13.1f} "
+              f"{r['w8a16_ms'] * 1e3:9.1f} "
               f"{(r['N'] * r['K'] / gemv / 1e9) if gemv else float('nan'):11.2f}"
               f"{2 * r['N'] * r['K'] / r['bf16_ms'] / 1e9:11.2f}")
     report = {"command": "python -m engines.tools.bench_fp8_gemm " + " ".join(
@@ -113,6 +127,7 @@ def main() -> None:
                   if v is not False),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_revision": git_revision(), "gpu": torch.cuda.get_device_name(),
+              "gpu_arch": gpu_arch.describe(torch.device("cuda")),
               "torch": torch.__version__, "gemv_config": {"block_n": fp8_gemv.BLOCK_N, "block_k": fp8_gemv.BLOCK_K,
                                                           "num_warps": fp8_gemv.NUM_WARPS,
                                                           "num_stages": fp8_gemv.NUM_STAGES},
