@@ -15,6 +15,8 @@ the same arguments (it is hypercorn's parser; only the supervision differs) and:
   the dead worker's sessions, and the other workers' sessions are not touched;
 - checks the settings before it starts anything, and listens before it starts workers: a
   bad setting or a port in use is one line and exit status 3 (``START_FAILED_EXIT``);
+- starts the engine host itself, before the workers (``start_engine_host``): the engine's
+  loading does not wait for a worker to import the app;
 - stops with exit status 3 when a worker reports a failed start-up (its one line is already
   logged: no CUDA, an engine host that cannot start), and with 1 when a worker exits with
   another error during start-up (within ``QUICK_DEATH_S`` of the start, before any worker has
@@ -35,6 +37,7 @@ import signal
 import sys
 import time
 from multiprocessing.connection import wait
+from pathlib import Path
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -75,6 +78,8 @@ def supervise(config: Any) -> int:
         except OSError as exc:
             log.error("cannot start: cannot listen on %s: %s", ", ".join(config.bind), exc.strerror or exc)
             return START_FAILED_EXIT
+    if not start_engine_host():
+        return START_FAILED_EXIT
     context = multiprocessing.get_context("spawn")
     shutdown = context.Event()
     stopping: list[int] = []
@@ -161,6 +166,26 @@ def supervise(config: Any) -> int:
     for sock in [*sockets.secure_sockets, *sockets.insecure_sockets]:
         sock.close()
     return exitcode
+
+
+def start_engine_host() -> bool:
+    """Start the server's engine host before any worker (False, the reason logged in one line,
+    if the server cannot start), so that the engine loads while the workers import the app
+    (a few seconds of every start); the workers find it running.  The access settings are
+    checked first, as a worker would: a public server without keys loads no model."""
+    from .engine_host.launch import HostStartError, start_host
+    from .frontend.access import check_access_settings
+    from .frontend.listeners import find_listeners
+    from .ipc.endpoints import default_run_dir
+
+    settings = Settings.from_env()
+    try:
+        check_access_settings(settings, find_listeners())
+        start_host(settings, Path(settings.run_dir) if settings.run_dir else default_run_dir(), os.getpid())
+    except (SettingsError, HostStartError) as exc:
+        log.error("cannot start: %s", exc)
+        return False
+    return True
 
 
 USAGE = """usage: personaplex-serve [APP] [--bind HOST:PORT] [--workers K] [--SETTING VALUE ...] [hypercorn options]

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -68,10 +69,26 @@ def test_flags_reach_the_server():
     """A real server started with flags: its admission and model id are the flags'; a variable
     set in the environment beside a flag wins."""
     server = Server(launcher="personaplex", cli=["--max-sessions", "3", "--model-name", "flagged",
-                                                 "--silence-grace-s", "0"], max_sessions=2)
+                                                 "--silence-grace-s", "0"], max_sessions=2, workers=2)
     try:
         assert server.get("/ready")[1]["max_sessions"] == 2  # PERSONAPLEX_MAX_SESSIONS=2 wins over the flag
         assert [model["id"] for model in server.get("/v1/models")[1]["data"]] == ["flagged"]
+        # The master started the engine host (before its workers), and one worker speaks for the server.
+        hosts = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                 if "orchestrator.engine_host host" in _cmdline(pid)
+                 and _cmdline(pid).split()[-2:] == ["--watch-pid", str(server.proc.pid)]]
+        assert len(hosts) == 1, hosts
+        parent = next(line for line in Path(f"/proc/{hosts[0]}/status").read_text().splitlines()
+                      if line.startswith("PPid:"))
+        assert int(parent.split()[1]) == server.proc.pid
     finally:
         server.stop()
     assert "PERSONAPLEX_MAX_SESSIONS='2' from the environment wins over --max-sessions '3'" in server.logs()
+    assert len([line for line in server.logs().splitlines() if " ready: 2 session(s)" in line]) == 1
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..ipc.endpoints import (engine_endpoint, engine_socket_path, layout_path, lock_path, metrics_dir, pid_alive,
-                             settings_path, write_atomic)
+                             settings_path, speaker_path, write_atomic)
 from ..metrics import Metrics, mark_process_dead
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,8 @@ def _clean(run_dir: Path) -> None:
     """Remove what this server put in its run directory (the workers have exited by now), and
     the directory itself if nothing else is in it."""
     shutil.rmtree(metrics_dir(run_dir), ignore_errors=True)
-    for path in (layout_path(run_dir), settings_path(run_dir), run_dir / "spawn.lock", lock_path(run_dir)):
+    for path in (layout_path(run_dir), settings_path(run_dir), speaker_path(run_dir), run_dir / "spawn.lock",
+                 lock_path(run_dir)):
         try:
             path.unlink()
         except FileNotFoundError:

@@ -65,10 +65,7 @@ class AccessPolicy:
         self.keys = read_keys(settings)
         self._encoded = [key.encode() for key in self.keys]
         self.addresses = [str(item) for item in listeners] + list(settings.bind)
-        local = [item.local for item in listeners]
-        local += [is_loopback(host) for host in map(bind_host, settings.bind) if host]
-        # Nothing known about where we listen: assume the worst.
-        self.public = not local or not all(local)
+        self.public = _listens_publicly(settings, listeners)
         self.require_key = _key_required(settings.auth, self.public, self.keys)
         self._origins = {_origin(o) for o in settings.allowed_origins if o.strip()}
         self._any_origin = "*" in {o.strip() for o in settings.allowed_origins}
@@ -148,6 +145,20 @@ def _joined(headers: Mapping[str, str], name: str) -> str:
     if getlist is None:
         return headers.get(name, "")
     return ", ".join(getlist(name))
+
+
+def check_access_settings(settings: Settings, listeners: Sequence[Listener]) -> None:
+    """``SettingsError`` where the server may not serve as configured (a public address without
+    keys, keys required but none configured), as ``AccessPolicy`` would raise it, without its
+    log lines: ``personaplex-serve``'s master asks before it starts the engine host."""
+    if settings.auth != "off":
+        _key_required(settings.auth, _listens_publicly(settings, listeners), read_keys(settings))
+
+
+def _listens_publicly(settings: Settings, listeners: Sequence[Listener]) -> bool:
+    local = [item.local for item in listeners]
+    local += [is_loopback(host) for host in map(bind_host, settings.bind) if host]
+    return not local or not all(local)  # nothing known about where we listen: assume the worst
 
 
 def _key_required(mode: str, public: bool, keys: Iterable[str]) -> bool:

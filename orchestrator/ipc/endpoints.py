@@ -52,6 +52,11 @@ def lock_path(run_dir: Path) -> Path:
     return run_dir / "host.lock"
 
 
+def speaker_path(run_dir: Path) -> Path:
+    """The pid of the worker that logs what concerns the whole server (engine_host/launch.py)."""
+    return run_dir / "speaker"
+
+
 def metrics_dir(run_dir: Path) -> Path:
     return run_dir / "metrics"
 
