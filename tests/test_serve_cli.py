@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -81,6 +82,10 @@ def test_flags_reach_the_server():
         parent = next(line for line in Path(f"/proc/{hosts[0]}/status").read_text().splitlines()
                       if line.startswith("PPid:"))
         assert int(parent.split()[1]) == server.proc.pid
+        deadline = time.monotonic() + 30  # the speaker announces once it has seen the engine ready
+        while " ready: 2 session(s)" not in server.logs() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)  # room for a second announcement, were there two speakers
     finally:
         server.stop()
     assert "PERSONAPLEX_MAX_SESSIONS='2' from the environment wins over --max-sessions '3'" in server.logs()
