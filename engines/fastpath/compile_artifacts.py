@@ -72,6 +72,13 @@ class CompileArtifacts:
         name = artifact_name(hardware, torch.__version__, weights, kv_cache)
         return cls(directory / name)
 
+    def precompiled_dir(self) -> Path:
+        """Where the pieces compiled ahead of time live (``fastpath.precompiled``): a directory
+        beside the file, named as it is and by Python's version and the engine's source."""
+        from engines.fastpath.precompiled import directory_name
+
+        return self.path.parent / directory_name(self.path.stem)
+
     def load(self) -> bool:
         """Fill torch's compile caches from the file, if there is one.  A file torch cannot
         read is logged and left to be replaced: the start compiles as if it were absent."""

@@ -69,7 +69,11 @@ def static_shapes(tensors: T) -> T:
 
 def compile_dynamic(fn: F, fullgraph: bool = True) -> F:
     """``fn`` compiled with dynamic shapes (and, with ``fullgraph``, no graph breaks), its
-    compilations cached where a restart finds them (``use_persistent_caches``)."""
+    compilations cached where a restart finds them (``use_persistent_caches``).  While an
+    engine is built (``precompiled.storing_in``), a ``fullgraph`` piece is compiled ahead of
+    time and saved whole, so that a restart loads it without tracing (``precompiled``)."""
+    from engines.fastpath import precompiled
+
     import torch._dynamo.config as dynamo_config
     import torch.fx.experimental._config as shape_config
 
@@ -80,4 +84,9 @@ def compile_dynamic(fn: F, fullgraph: bool = True) -> F:
     # 2-slot graph, so the 4-slot graph compiled everything again (seconds at every start;
     # docs/PERFORMANCE.md, "Start-up on the H200").
     shape_config.use_duck_shape = False
+    directory = precompiled.current_directory()
+    # aot_compile takes no graph breaks, and a nested function or a lambda has no name that
+    # another process would find it by.
+    if directory is not None and fullgraph and "<" not in getattr(fn, "__qualname__", "<"):
+        return precompiled.Precompiled(fn, directory)  # type: ignore[return-value]
     return torch.compile(fn, dynamic=True, fullgraph=fullgraph)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -104,23 +105,38 @@ def build_engine(spec: EngineSpec) -> Engine:
         if artifacts is not None:
             artifacts.load()
     random_model = random_model_name(spec.checkpoint)
-    if random_model is not None:
-        engine = create_random_engine(random_model, spec)
-    elif spec.backend == "torch":
-        engine = create_torch_engine(spec)
-    else:
-        from engines.runtime.trtllm import create_trtllm_engine
-
-        if spec.gpu_arch != "auto":  # a TensorRT-LLM engine's kernels are chosen when it is built
-            log.warning("PERSONAPLEX_GPU_ARCH=%s is ignored by the trtllm backend", spec.gpu_arch)
-        engine = create_trtllm_engine(spec.checkpoint, max_slots=spec.max_slots, device=device, window=spec.window,
-                                      kv_cache=spec.kv_cache)
+    # The pieces it compiles keep their compilations beside the artifacts (``off``: neither).
+    with _precompiling(artifacts):
+        engine = _create(spec, random_model, device)
     if artifacts is not None:
         engine.compile_artifacts = artifacts  # written once the start has compiled everything
     if spec.voice_dir is not None:
         names = engine.voice_store.add_directory(spec.voice_dir)
         log.info("serving %d voice(s) from %s: %s", len(names), spec.voice_dir, ", ".join(names) or "none")
     return engine
+
+
+def _create(spec: EngineSpec, random_model: str | None, device: str) -> Engine:
+    if random_model is not None:
+        return create_random_engine(random_model, spec)
+    if spec.backend == "torch":
+        return create_torch_engine(spec)
+
+    from engines.runtime.trtllm import create_trtllm_engine
+
+    if spec.gpu_arch != "auto":  # a TensorRT-LLM engine's kernels are chosen when it is built
+        log.warning("PERSONAPLEX_GPU_ARCH=%s is ignored by the trtllm backend", spec.gpu_arch)
+    return create_trtllm_engine(spec.checkpoint, max_slots=spec.max_slots, device=device, window=spec.window,
+                                kv_cache=spec.kv_cache)
+
+
+def _precompiling(artifacts) -> contextlib.AbstractContextManager:
+    """Pieces compiled inside are kept ahead of time beside ``artifacts`` (``fastpath.precompiled``)."""
+    if artifacts is None:
+        return contextlib.nullcontext()
+    from engines.fastpath.precompiled import storing_in
+
+    return storing_in(artifacts.precompiled_dir())
 
 
 def create_engine(checkpoint: str | Path | None = None, **options) -> Engine:

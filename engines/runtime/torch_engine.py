@@ -394,9 +394,11 @@ class PersonaPlexEngine(EngineRuntime):
         done): log what torch.compile did and write the portable artifacts for the next start."""
         if not self.options.compile:
             return
+        from engines.fastpath import precompiled
         from engines.fastpath.compile_artifacts import compile_report
 
         log.info("torch.compile this start: %s", compile_report())
+        log.info("precompiled variants this start: %s", precompiled.report())
         if self.compile_artifacts is not None:
             self.compile_artifacts.save()
 

@@ -1,0 +1,323 @@
+"""Compiled pieces saved whole and loaded at the next start: no tracing at a restart.
+
+A restart with warm caches still has dynamo trace every compiled piece before Inductor's
+caches answer (~14 s of an H200's start, issue 36).  torch's ahead-of-time compilation
+(``torch.compile(...).aot_compile``) keeps the traced graph, its guards and Inductor's output in
+one file that a fresh process loads without tracing.  ``Precompiled`` puts that behind
+``compile_dynamic`` for every compiled piece, while an engine is built inside ``storing_in``.
+
+One compilation specialises on what its guards check, so a piece has several variants (the
+batch of 1 that a prefill runs and the 2 or more of the ticks, per device, per grad mode): each
+call picks its variant by a cheap key of its arguments (``variant_key``) and the variant is, in
+order, held in memory, loaded from its file, one held already whose guards take the call (the
+depformer's first step marks its key buffers static, the later steps pass the step's outputs,
+unmarked: one compilation serves both, as under torch.compile), or compiled now and saved.
+
+The guards stay and are checked per call; a loaded variant whose guards refuse the call it was
+keyed for is compiled again and its file replaced (logged).  A piece aot_compile cannot take,
+or whose keys do not separate what its guards do, goes back to plain torch.compile (logged):
+slower to start, never wrong.  The files do not record the source they were traced from, so
+their directory is named by a hash of the engine's source (``source_hash``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import sys
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENGINES = Path(__file__).resolve().parents[1]  # the package whose source the files depend on
+GUARD_MISS = "GuardManager check failed"  # how a loaded variant's __call__ refuses
+# The dimension marks dynamo reads from a tensor (torch._dynamo.decorators); its guards check them.
+_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
+          "_dynamo_strict_unbacked_indices", "_dynamo_static_indices")
+
+# Set while an engine is built (``storing_in``); per thread, as engines of several devices
+# may be built at once.
+_directory: ContextVar[Path | None] = ContextVar("precompiled_directory", default=None)
+
+
+@contextlib.contextmanager
+def storing_in(directory: Path | None) -> Iterator[None]:
+    """Pieces compiled (``compile_dynamic``) inside this keep their variants in ``directory``;
+    ``None``: plain torch.compile, as everywhere outside it."""
+    token = _directory.set(directory)
+    try:
+        yield
+    finally:
+        _directory.reset(token)
+
+
+def current_directory() -> Path | None:
+    return _directory.get()
+
+
+@lru_cache(maxsize=None)
+def source_hash(root: Path = ENGINES) -> str:
+    """A hash of every ``*.py`` under ``root`` (paths and contents; the engine's package by
+    default): a saved variant was traced from this source, and torch does not check that it
+    still matches.  Once per process."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def directory_name(artifact_stem: str) -> str:
+    """The variants' directory beside the artifact file of ``artifact_stem``: also named by
+    Python's version (the files hold bytecode) and the engine's source."""
+    return f"{artifact_stem}-py{sys.version_info.major}.{sys.version_info.minor}-src{source_hash()}"
+
+
+def variant_key(value: Any) -> Any:
+    """What separates the compilations of one piece, from its arguments, cheaply (no tensor
+    data): a tensor's class, dtype, device, layout, grad and inference flags, its dimension
+    marks and its sizes, where a dynamic size counts only as 0, 1 or more (dynamo specialises 0
+    and 1) and a static one (a parameter's, a marked one) as itself; scalars and strings by
+    value; modules by class.  Takes the marks off the tensors it is given (``_take_marks``)."""
+    if isinstance(value, torch.Tensor):
+        marks = _take_marks(value)
+        static = dict(marks).get("_dynamo_static_indices", ()) if marks else ()
+        if isinstance(value, torch.nn.Parameter):
+            sizes = tuple(value.shape)
+        else:
+            sizes = tuple(s if s < 2 or i in static else 2 for i, s in enumerate(value.shape))
+        return (value.__class__, value.dtype, value.device, sizes, value.is_contiguous(), value.requires_grad,
+                value.is_inference(), marks)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        return (type(value),) + tuple(variant_key(item) for item in value)
+    return type(value)  # a module, anything else: by class, its guards decide the rest
+
+
+# Dimension marks (``torch._dynamo.mark_static``, ``fastpath.compiled.static_shapes``) are read
+# when a piece is traced; a loaded variant's guards hold them as absent (its example tensors
+# are not saved), and refuse a tensor that carries any.  So a precompiled piece's tensors carry
+# their marks only while it is traced: the first call takes them off into ``_MARKS_TAKEN``
+# (which no guard reads) and tracing puts them back for its length (``_marks_on``).
+_MARKS_TAKEN = "_precompiled_marks"
+
+
+def _take_marks(tensor: torch.Tensor) -> tuple | None:
+    """``tensor``'s dimension marks as ((attribute, dims), ...), taken off it; None: unmarked."""
+    if getattr(tensor, "_has_dynamo_dim_marking", False):
+        taken = tuple((name, tuple(sorted(getattr(tensor, name)))) for name in _MARKS if hasattr(tensor, name))
+        for name in _MARKS:
+            if hasattr(tensor, name):
+                delattr(tensor, name)
+        del tensor._has_dynamo_dim_marking
+        setattr(tensor, _MARKS_TAKEN, taken)
+        return taken
+    return getattr(tensor, _MARKS_TAKEN, None)
+
+
+@contextlib.contextmanager
+def _marks_on(args: tuple) -> Iterator[None]:
+    """The marks ``_take_marks`` took off the tensors of ``args`` back on them, for tracing."""
+    marked = [t for t in _tensors(args) if hasattr(t, _MARKS_TAKEN)]
+    for tensor in marked:
+        _put_marks(tensor)
+    try:
+        yield
+    finally:
+        for tensor in marked:
+            _take_marks(tensor)
+
+
+def _put_marks(tensor: torch.Tensor) -> None:
+    for name, dims in getattr(tensor, _MARKS_TAKEN):
+        setattr(tensor, name, set(dims))
+    tensor._has_dynamo_dim_marking = True
+    delattr(tensor, _MARKS_TAKEN)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+
+
+@dataclass
+class Tally:
+    """What the precompiled pieces of this process did: variants per source, seconds each."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, kind: str, seconds: float) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
+
+    def count(self, kind: str) -> int:
+        return self.counts.get(kind, 0)
+
+
+LOADED, SHARED, COMPILED, FELL_BACK = "loaded", "shared", "compiled", "fell back"
+TALLY = Tally()
+
+
+def report() -> str:
+    """One line for the start's log: variants loaded, shared, compiled and left to torch.compile."""
+    return ", ".join(f"{TALLY.count(kind)} {kind} ({TALLY.seconds.get(kind, 0.0):.1f} s)"
+                     for kind in (LOADED, SHARED, COMPILED, FELL_BACK))
+
+
+class Precompiled:
+    """``fn`` compiled ahead of time per variant of its arguments, the variants kept in
+    ``directory`` (one file each); ``compile_dynamic``'s settings (dynamic shapes, no graph
+    breaks).  A bound method is compiled as its function, its instance the first argument."""
+
+    def __init__(self, fn: Callable, directory: Path) -> None:
+        self.directory = directory
+        self.instance = getattr(fn, "__self__", None)
+        self.function = fn.__func__ if self.instance is not None else fn
+        self.name = f"{self.function.__module__}.{self.function.__qualname__}"
+        self._fn = fn
+        self._variants: dict[Any, Callable] = {}
+        self._fallback: Callable | None = None  # plain torch.compile, once this piece needs it
+        self._fallback_keys: set = set()
+        self._unaccounted = 0.0  # seconds of a failed aot_compile, counted with the fallback
+        self._file_stem: str | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self._fallback is not None:
+            return self._call_fallback(args)
+        key = (torch.is_inference_mode_enabled(), torch.is_grad_enabled(), variant_key(args))
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = self._resolve(key, args)
+            if variant is None:  # given up: torch.compile from now on
+                return self._call_fallback(args)
+            self._variants[key] = variant
+        try:
+            return variant(*args) if self.instance is None else variant(self.instance, *args)
+        except RuntimeError as exc:
+            if not str(exc).startswith(GUARD_MISS):
+                raise
+            self._give_up(f"its variant keys do not separate what its guards check ({_short(exc)})")
+            return self._call_fallback(args)
+
+    # Finding a variant ------------------------------------------------------------------
+    def _resolve(self, key: Any, args: tuple) -> Callable | None:
+        """The variant for a call of ``key``: loaded, shared, or compiled now; None where the
+        piece cannot be compiled ahead of time (``_fallback`` is then set)."""
+        full = args if self.instance is None else (self.instance,) + args
+        path = self.directory / f"{self._stem()}-{hashlib.sha256(repr(key).encode()).hexdigest()[:16]}.aot"
+        stale = None
+        if path.is_file():
+            start = time.perf_counter()
+            try:
+                with path.open("rb") as file:
+                    loaded = torch.compiler.load_compiled_function(file, f_globals=self._globals())
+            except Exception as exc:  # noqa: BLE001 - a damaged or foreign file is compiled again
+                stale = f"could not load it ({type(exc).__name__}: {exc})"
+            else:
+                if _accepts(loaded, full):
+                    TALLY.add(LOADED, time.perf_counter() - start)
+                    return loaded
+                reason = loaded._artifacts.guard_manager.check_verbose(loaded.prepare_f_locals(*full))
+                stale = f"its guards refuse the call it is keyed for ({_short(reason)})"
+        else:
+            start = time.perf_counter()
+            for held in {id(held): held for held in self._variants.values()}.values():
+                if _accepts(held, full):
+                    TALLY.add(SHARED, time.perf_counter() - start)
+                    return held
+        if stale is not None:
+            log.warning("precompiled %s: %s %s; compiling it again", self.name, path.name, stale)
+        return self._compile(path, full)
+
+    def _compile(self, path: Path, full: tuple) -> Callable | None:
+        import torch._dynamo.config as dynamo_config
+
+        start = time.perf_counter()
+        try:
+            with dynamo_config.patch(enable_aot_compile=True), _marks_on(full):
+                compiled = torch.compile(self.function, dynamic=True, fullgraph=True).aot_compile((full, {}))
+        except Exception as exc:  # noqa: BLE001 - whatever aot_compile refuses, torch.compile takes
+            self._give_up(f"aot_compile refused it ({type(exc).__name__}: {_short(exc)})")
+            self._unaccounted = time.perf_counter() - start
+            return None
+        self._save(compiled, path)
+        seconds = time.perf_counter() - start
+        TALLY.add(COMPILED, seconds)
+        log.info("precompiled %s: compiled %s in %.1f s", self.name, path.name, seconds)
+        return compiled
+
+    def _save(self, compiled: Any, path: Path) -> None:
+        """Write the variant's file atomically (a reader never sees half a file); a directory
+        that cannot be written leaves the variant in memory only."""
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            compiled.save_compiled_function(str(partial))
+            partial.replace(path)
+        except Exception as exc:  # noqa: BLE001 - unsaved is slower at the next start, not wrong
+            partial.unlink(missing_ok=True)
+            log.warning("precompiled %s: could not write %s (%s: %s)", self.name, path, type(exc).__name__, exc)
+
+    # Plain torch.compile ----------------------------------------------------------------
+    def _give_up(self, why: str) -> None:
+        log.warning("precompiled %s: %s; plain torch.compile for it instead", self.name, why)
+        self._fallback = torch.compile(self._fn, dynamic=True, fullgraph=True)
+        self._variants.clear()
+
+    def _call_fallback(self, args: tuple) -> Any:
+        """torch.compile's call; the first of each variant timed (with the failed attempt
+        before it) as the variant's compilation."""
+        key = (torch.is_inference_mode_enabled(), torch.is_grad_enabled(), variant_key(args))
+        for tensor in _tensors(args):  # torch.compile reads the marks at every call
+            if hasattr(tensor, _MARKS_TAKEN):
+                _put_marks(tensor)
+        if key in self._fallback_keys:
+            return self._fallback(*args)
+        start = time.perf_counter()
+        result = self._fallback(*args)
+        self._fallback_keys.add(key)
+        TALLY.add(FELL_BACK, time.perf_counter() - start + self._unaccounted)
+        self._unaccounted = 0.0
+        return result
+
+    # Naming -----------------------------------------------------------------------------
+    def _globals(self) -> dict:
+        return vars(sys.modules[self.function.__module__])
+
+    def _stem(self) -> str:
+        """The piece's part of its files' names: its qualified name and, for a bound method,
+        its instance's structure (the encoder's and the decoder's SEANet share ``_run``)."""
+        if self._file_stem is None:
+            stem = self.name.replace("<", "").replace(">", "")
+            if self.instance is not None:
+                structure = repr(self.instance) + repr(
+                    [(name, tuple(p.shape), p.dtype) for name, p in self.instance.named_parameters()])
+                stem += "-" + hashlib.sha256(structure.encode()).hexdigest()[:12]
+            self._file_stem = stem
+        return self._file_stem
+
+
+def _accepts(compiled: Any, full: tuple) -> bool:
+    """Whether ``compiled``'s guards take these arguments (without calling it)."""
+    check = getattr(compiled, "guard_check", None)  # torch 2.13; the same, spelled out, before
+    if check is not None:
+        return bool(check(*full))
+    return bool(compiled._artifacts.guard_manager.check(compiled.prepare_f_locals(*full)))
+
+
+def _short(reason: Any) -> str:
+    """A guard failure or an exception in one line a log can carry."""
+    return " ".join(str(reason).split())[:400]

@@ -1,0 +1,104 @@
+"""The precompiled pieces' bookkeeping (engines/fastpath/precompiled.py), in this process: what
+keys a variant, where the marks go, which pieces are precompiled at all, and the way back to
+torch.compile.  Loading saved variants in a fresh process: tests/test_compile_artifacts.py."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engines.fastpath import precompiled
+from engines.fastpath.compiled import compile_dynamic
+
+
+def double_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * 2
+
+
+def test_the_source_hash_follows_every_file(tmp_path: Path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "lm.py").write_text("A = 1\n")
+    before = precompiled.source_hash.__wrapped__(tmp_path)
+    (tmp_path / "model" / "lm.py").write_text("A = 2\n")
+    assert precompiled.source_hash.__wrapped__(tmp_path) != before
+    assert precompiled.directory_name("cpu-torch2.13").endswith(f"-src{precompiled.source_hash()}")
+
+
+def test_a_variant_is_keyed_by_what_its_guards_specialise_on():
+    key = precompiled.variant_key
+    assert key((torch.zeros(3, 1, 5),)) == key((torch.zeros(7, 1, 9),))  # dynamic sizes: 2 or more
+    assert key((torch.zeros(1, 1, 5),)) != key((torch.zeros(2, 1, 5),))  # 0 and 1 are specialised
+    assert key((torch.zeros(3),)) != key((torch.zeros(3, dtype=torch.bfloat16),))
+    weight = torch.nn.Parameter(torch.zeros(3, 4), requires_grad=False)
+    assert key((weight,)) != key((torch.nn.Parameter(torch.zeros(3, 5), requires_grad=False),))
+    assert key((torch.zeros(3), 0.5, "w8a16", None)) != key((torch.zeros(3), 0.25, "w8a16", None))
+
+
+def test_marks_leave_the_tensor_for_the_key_and_come_back_for_tracing():
+    """A loaded variant's guards refuse a marked tensor: the key takes the marks off (static
+    dims then count by size) and tracing puts them back."""
+    marked = torch.zeros(3, 4)
+    torch._dynamo.mark_static(marked, 1)
+    key = precompiled.variant_key((marked,))
+    assert not hasattr(marked, "_has_dynamo_dim_marking") and not hasattr(marked, "_dynamo_static_indices")
+    assert precompiled.variant_key((marked,)) == key  # the same variant after the marks went
+    assert key != precompiled.variant_key((torch.zeros(3, 4),))
+    other = torch.zeros(3, 5)
+    torch._dynamo.mark_static(other, 1)
+    assert precompiled.variant_key((other,)) != key  # a static size counts as itself
+    with precompiled._marks_on((marked,)):
+        assert marked._dynamo_static_indices == {1} and marked._has_dynamo_dim_marking
+    assert not hasattr(marked, "_dynamo_static_indices")
+
+
+def test_only_named_fullgraph_pieces_of_an_engine_being_built_are_precompiled(tmp_path: Path):
+    assert not isinstance(compile_dynamic(double_tanh), precompiled.Precompiled)
+    with precompiled.storing_in(tmp_path):
+        assert isinstance(compile_dynamic(double_tanh), precompiled.Precompiled)
+        assert not isinstance(compile_dynamic(double_tanh, fullgraph=False), precompiled.Precompiled)
+        assert not isinstance(compile_dynamic(lambda x: x + 1), precompiled.Precompiled)
+    assert precompiled.current_directory() is None
+
+
+def test_a_piece_aot_compile_refuses_goes_back_to_torch_compile(tmp_path: Path, caplog, monkeypatch):
+    import torch._dynamo.aot_compile as aot_compile
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("not this one")
+
+    monkeypatch.setattr(aot_compile, "aot_compile_fullgraph", refuse)
+    monkeypatch.setattr(precompiled, "TALLY", precompiled.Tally())
+    with precompiled.storing_in(tmp_path):
+        piece = compile_dynamic(double_tanh)
+    x = torch.randn(4, 3)
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        assert torch.allclose(piece(x), double_tanh(x))
+        assert torch.allclose(piece(x[:2]), double_tanh(x[:2]))
+    assert "aot_compile refused it (NotImplementedError: not this one)" in caplog.text
+    assert "plain torch.compile for it instead" in caplog.text
+    assert precompiled.TALLY.count(precompiled.FELL_BACK) == 1 and list(tmp_path.iterdir()) == []
+
+
+def scaled_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight * 0.5
+
+
+def test_a_loaded_variant_takes_the_marked_tensors_it_was_compiled_for(tmp_path: Path, monkeypatch):
+    """Weights marked static (``static_shapes``) in this start and the next: the next loads the
+    variant the first saved instead of compiling it again."""
+    def marked_weight() -> torch.Tensor:
+        weight = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+        torch._dynamo.mark_static(weight)
+        return weight
+
+    x = torch.randn(5, 4)
+    with precompiled.storing_in(tmp_path), torch.inference_mode():
+        monkeypatch.setattr(precompiled, "TALLY", precompiled.Tally())
+        first = compile_dynamic(scaled_rows)(x, marked_weight())
+        assert precompiled.TALLY.count(precompiled.COMPILED) == 1
+        monkeypatch.setattr(precompiled, "TALLY", precompiled.Tally())  # a restart: a new piece, new weights
+        again = compile_dynamic(scaled_rows)(x, marked_weight())
+    assert precompiled.TALLY.counts == {precompiled.LOADED: 1}
+    assert torch.equal(first, again)
