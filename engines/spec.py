@@ -58,7 +58,8 @@ def check_engine_options(values: dict[str, Any], name: Callable[[str], str] = st
     are not checked); ``name(field)`` is how a message names one (an environment variable, for
     the server).  Raises ``SpecError``."""
     choices = {"window": WindowMode.ALL, "kv_cache": KV_CACHE_MODES, "weights": WEIGHT_MODES,
-               "compile": COMPILE_MODES, "backend": BACKENDS, "gpu_arch": GPU_ARCH_MODES}
+               "compile": COMPILE_MODES, "precompile": ("on", "off"), "backend": BACKENDS,
+               "gpu_arch": GPU_ARCH_MODES}
     for key, allowed in choices.items():
         if key in values and values[key] not in allowed:
             raise SpecError(f"{name(key)} must be one of {', '.join(allowed)}, got {values[key]!r}")
@@ -102,6 +103,9 @@ class EngineSpec:
     # torch.compile's portable artifacts (engines/fastpath/compile_artifacts.py): "auto" = in
     # the cache directory, "off", or a directory.
     compile_artifacts: str = "auto"
+    # Compiled pieces kept whole beside the artifacts, loaded without tracing
+    # (engines/fastpath/precompiled.py): "on", or "off": torch.compile at every start.
+    precompile: str = "on"
     weights: str = "auto"
     voice_dir: str | Path | None = None  # more voices, served ahead of the checkpoint's
     cpu_threads: int = 0  # torch's intra-op threads for an engine on the CPU; 0: torch's default

@@ -39,7 +39,8 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 # cores, and 8 sessions is the CPU load target (spec/performance.md).
 CPU_DEFAULT_MAX_SESSIONS = 8
 # The settings that are the engine's options (engines/spec.py checks them).
-ENGINE_OPTIONS = ("checkpoint", "backend", "window", "kv_cache", "compile", "weights", "cpu_threads", "gpu_arch")
+ENGINE_OPTIONS = ("checkpoint", "backend", "window", "kv_cache", "compile", "precompile", "weights", "cpu_threads",
+                  "gpu_arch")
 # Settings whose None is spelled "auto" too (the engine decides).
 AUTO_SETTINGS = ("max_sessions",)
 
@@ -100,6 +101,10 @@ class Settings:
     # after a start that compiled: "auto" = compile/artifacts in the cache directory, "off",
     # or a directory (an image's or a volume's, so a new replica starts like a restart).
     compile_artifacts: str = "auto"
+    # Keep each compiled piece whole beside the artifacts (torch's aot_compile, experimental;
+    # engines/fastpath/precompiled.py), so a restart loads it instead of tracing it again;
+    # "off": torch.compile traces every piece at every start (~14 s of an H200 restart).
+    precompile: str = "on"
     # The GPU's compute capability as the engine takes it (engines/fastpath/gpu_arch.py): "auto"
     # = the device's own; "sm80", "sm86", "sm89", "sm90" force a profile, lower than the
     # device's only, so that an H200 takes exactly the kernels an A100 would (sm80: no fp8 e4m3
@@ -314,7 +319,7 @@ class Settings:
 
         return EngineSpec(checkpoint=self.checkpoint, max_slots=self.resolved_max_sessions(device), device=device,
                           backend=self.backend, window=self.window, kv_cache=self.kv_cache, compile=self.compile,
-                          compile_artifacts=self.compile_artifacts,
+                          compile_artifacts=self.compile_artifacts, precompile=self.precompile,
                           weights=self.weights, voice_dir=self.voice_dir, cpu_threads=self.cpu_threads,
                           gpu_arch=self.gpu_arch, memory=self.memory_settings())
 

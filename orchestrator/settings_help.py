@@ -29,6 +29,8 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("compile", "torch.compile the GPU fast path: auto (on for CUDA), on, off"),
         ("compile_artifacts", "torch.compile's portable artifacts: auto (in the cache directory), off, or a "
                               "directory (an image's or a volume's): a new machine starts like a restart"),
+        ("precompile", "keep compiled pieces whole beside the artifacts so a restart loads them untraced "
+                       "(torch's aot_compile, experimental): on, or off: torch.compile traces them every start"),
         ("gpu_arch", "GPU capability the engine takes: auto (the device's), or sm80/sm86/sm89/sm90 to act as that GPU"),
         ("cpu_threads", "torch intra-op threads of an engine on the CPU; 0: torch's default"),
     )),

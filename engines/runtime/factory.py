@@ -105,8 +105,9 @@ def build_engine(spec: EngineSpec) -> Engine:
         if artifacts is not None:
             artifacts.load()
     random_model = random_model_name(spec.checkpoint)
-    # The pieces it compiles keep their compilations beside the artifacts (``off``: neither).
-    with _precompiling(artifacts):
+    # The pieces it compiles keep their compilations beside the artifacts (artifacts ``off`` or
+    # ``precompile`` off: not).
+    with _precompiling(artifacts if spec.precompile == "on" else None):
         engine = _create(spec, random_model, device)
     if artifacts is not None:
         engine.compile_artifacts = artifacts  # written once the start has compiled everything
