@@ -227,15 +227,15 @@ class Precompiled:
             except Exception as exc:  # noqa: BLE001 - a damaged or foreign file is compiled again
                 stale = f"could not load it ({type(exc).__name__}: {exc})"
             else:
-                if _accepts(loaded, full):
+                accepted = _accepts(loaded, full)
+                if accepted is not False:  # None: this torch cannot say; a miss shows at the call
                     TALLY.add(LOADED, time.perf_counter() - start)
                     return loaded
-                reason = loaded._artifacts.guard_manager.check_verbose(loaded.prepare_f_locals(*full))
-                stale = f"its guards refuse the call it is keyed for ({_short(reason)})"
+                stale = f"its guards refuse the call it is keyed for ({_short(_refusal(loaded, full))})"
         else:
             start = time.perf_counter()
             for held in {id(held): held for held in self._variants.values()}.values():
-                if _accepts(held, full):
+                if _accepts(held, full):  # None (cannot ask): not shared, compiled on its own
                     TALLY.add(SHARED, time.perf_counter() - start)
                     return held
         if stale is not None:
@@ -310,12 +310,26 @@ class Precompiled:
         return self._file_stem
 
 
-def _accepts(compiled: Any, full: tuple) -> bool:
-    """Whether ``compiled``'s guards take these arguments (without calling it)."""
-    check = getattr(compiled, "guard_check", None)  # torch 2.13; the same, spelled out, before
-    if check is not None:
-        return bool(check(*full))
-    return bool(compiled._artifacts.guard_manager.check(compiled.prepare_f_locals(*full)))
+def _accepts(compiled: Any, full: tuple) -> bool | None:
+    """Whether ``compiled``'s guards take these arguments (without calling it); None where this
+    torch offers no way to ask (the attributes below are torch's own and change between
+    versions): a loaded variant is then tried, and a guard miss at the call falls back."""
+    try:
+        check = getattr(compiled, "guard_check", None)  # torch 2.13; the same, spelled out, before
+        if check is not None:
+            return bool(check(*full))
+        return bool(compiled._artifacts.guard_manager.check(compiled.prepare_f_locals(*full)))
+    except Exception as exc:  # noqa: BLE001 - see above
+        log.debug("cannot check the guards of %s: %s", compiled, exc)
+        return None
+
+
+def _refusal(compiled: Any, full: tuple) -> str:
+    """Which guard refuses the arguments, where torch can say."""
+    try:
+        return str(compiled._artifacts.guard_manager.check_verbose(compiled.prepare_f_locals(*full)))
+    except Exception as exc:  # noqa: BLE001 - only for the log line
+        return f"(torch cannot say: {type(exc).__name__})"
 
 
 def _short(reason: Any) -> str:
