@@ -5,14 +5,15 @@ image runs with ``--network host`` on loopback: ``--help`` is the server's own, 
 ready, a client session streams speech and gets audio back, the server runs as the image's
 non-root user, and ``docker stop`` drains it and ends it with status 0.
 
-Needs a Docker engine (``dockerd``) and ``debootstrap``: ``.ci/run`` installs and starts both.
+Needs a Docker engine (``dockerd``) and ``debootstrap``: ``.ci/run`` installs and starts both,
+and builds the image in the background while the rest of the suite runs
+(``tests/container_image.py``); run alone, the test builds it.
 Without them the test skips, saying so; with ``PERSONAPLEX_TEST_CONTAINER=require`` (CI) it
 fails instead.  It costs minutes (docs/DEPLOYMENT.md, "The container image", has the figure).
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import subprocess
@@ -22,12 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.orch_support import REPO, Client, answers_ready, f32_append, free_port, run, speech_frames
+from tests import container_image
+from tests.orch_support import Client, answers_ready, f32_append, free_port, run, speech_frames
 
 REQUIRED = os.environ.get("PERSONAPLEX_TEST_CONTAINER") == "require"
-SUITE = "bookworm"
-MIRROR = os.environ.get("PERSONAPLEX_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-BASE_PACKAGES = "python3,python3-venv,libopus0,curl,ca-certificates"
 
 
 def _unavailable() -> str | None:
@@ -37,60 +36,40 @@ def _unavailable() -> str | None:
         return "no Docker engine answers (dockerd)"
     if shutil.which("debootstrap") is None:
         return "no debootstrap"
-    if not glob.glob("/opt/wheels/torch-*.whl") and not os.environ.get("PERSONAPLEX_TEST_TORCH_WHEEL"):
+    if container_image.torch_wheel() is None:
         return "no torch wheel to bring into the image (/opt/wheels or PERSONAPLEX_TEST_TORCH_WHEEL)"
     return None
 
 
 def _docker(*args: str, timeout: float = 1200, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
-    if check and done.returncode != 0:
-        raise AssertionError(f"docker {' '.join(args[:3])} failed ({done.returncode}):\n{done.stdout[-3000:]}"
-                             f"\n{done.stderr[-3000:]}")
-    return done
+    try:
+        return container_image.docker(*args, timeout=timeout, check=check)
+    except RuntimeError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory) -> str:
+    """The image: the one ``.ci/run`` builds in the background while the suite runs (waited
+    for here), or built now."""
     why = _unavailable()
     if why is not None:
         if REQUIRED:
             pytest.fail(f"PERSONAPLEX_TEST_CONTAINER=require but {why}")
         pytest.skip(why)
-    work = tmp_path_factory.mktemp("container")
-    tag = f"personaplex-test-{uuid.uuid4().hex[:8]}"
-    # The base: Debian with python3, as any registry's python image would have it.
-    rootfs = work / "rootfs"
+    prebuilt = os.environ.get(container_image.PREBUILT)
+    tag = prebuilt or f"personaplex-test-{uuid.uuid4().hex[:8]}"
     try:
-        subprocess.run(["debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", SUITE, str(rootfs),
-                        MIRROR], check=True, capture_output=True, timeout=1200)
-        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-        imported = subprocess.run(["docker", "import", "-", f"{tag}-base"], stdin=tar.stdout, capture_output=True,
-                                  text=True, timeout=600)
-        tar.wait()
-        assert imported.returncode == 0, imported.stderr
-        shutil.rmtree(rootfs, ignore_errors=True)
-        # The build context as .dockerignore lets it through, and this machine's torch wheel.
-        context = work / "context"
-        for name in ("engines", "orchestrator"):
-            shutil.copytree(REPO / name, context / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        for name in ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md"):
-            shutil.copy(REPO / name, context / name)
-        wheel = Path(os.environ.get("PERSONAPLEX_TEST_TORCH_WHEEL") or sorted(glob.glob("/opt/wheels/torch-*.whl"))[-1])
-        (context / "wheels").mkdir()
-        shutil.copy(wheel, context / "wheels" / wheel.name)
-        # This machine reaches the package index through a proxy that inspects TLS: its CAs go in.
-        (context / "certs").mkdir()
-        if Path("/etc/ssl/certs/ca-certificates.crt").is_file():
-            shutil.copy("/etc/ssl/certs/ca-certificates.crt", context / "certs" / "build-host.crt")
-        version = wheel.name.split("-")[1].split("+")[0]
-        _docker("build", "--network", "host", "--build-arg", f"BASE_IMAGE={tag}-base",
-                "--build-arg", f"TORCH=torch=={version}", "-t", tag, str(context))
+        if prebuilt:
+            try:
+                container_image.wait_for(tag, Path(os.environ[container_image.PREBUILT_DIR]))
+            except RuntimeError as exc:
+                raise AssertionError(str(exc)) from None
+        else:
+            container_image.build(tag, tmp_path_factory.mktemp("container"))
         yield tag
     finally:
-        shutil.rmtree(rootfs, ignore_errors=True)
-        _docker("rmi", "-f", tag, f"{tag}-base", check=False)
-        _docker("image", "prune", "-f", check=False)  # the build stage's layers
+        container_image.remove(tag)
 
 
 def test_the_image_explains_itself(image: str):
