@@ -96,13 +96,14 @@ class TickGraphs:
         engine.greedy_tick = greedy
         try:
             with torch.inference_mode():
-                # Warm-up on a side stream (lazy initialisations must not be captured);
-                # it only advances the scratch slot.
+                # Warm-up on a side stream (lazy initialisations must not be captured: a
+                # compiled piece's first call at these shapes, Triton's kernel loads, cuBLAS's
+                # handles); it only advances the scratch slot.  One tick does them all; a
+                # second was a third of a restart's ~10 s of graph capture (22 graphs, 3 ticks each).
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    for _ in range(2):
-                        engine.live_tick(slots, pcm)
+                    engine.live_tick(slots, pcm)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: the server drives one engine per GPU, each from its own thread;
