@@ -59,15 +59,19 @@ class Gpu:
         return self.capability >= (8, 9)
 
 
-# Totals: the H200's as torch reported it here; the others the nominal size less the same
-# 0.7 % the H200's total is short of its nominal 141 GB (a prediction too).
+# Totals as torch reports them (``total_memory``, what the memory plan starts from): the H200's
+# measured here (139.80 GiB), the H100's inferred from a benchmark run here (2026-12-05: reserved
+# + free + the CUDA context, ~79.1 GiB, as its users' out-of-memory messages also read); the
+# others the lowest that users' out-of-memory messages show for the card (A100 40 GB 39.39-39.59,
+# A100 80 GB 79.14-79.35, L40S 44.42 GiB).  Not the nominal "80 GB": 80 GiB less the driver's.
 GPUS = (
-    Gpu("A100-40GB", 40 * GB / GIB * 0.993, 1.555, (8, 0)),
-    Gpu("A100-80GB", 80 * GB / GIB * 0.993, 2.039, (8, 0)),
-    Gpu("L40S", 48 * GB / GIB * 0.993, 0.864, (8, 9)),
-    Gpu("H100-80GB", 80 * GB / GIB * 0.993, 3.35, (9, 0)),
+    Gpu("A100-40GB", 39.39, 1.555, (8, 0)),
+    Gpu("A100-80GB", 79.14, 2.039, (8, 0)),
+    Gpu("L40S", 44.42, 0.864, (8, 9)),
+    Gpu("H100-80GB", 79.11, 3.35, (9, 0)),
     Gpu("H200", 139.80, 4.8, (9, 0)),
 )
+
 
 
 @dataclass(frozen=True)
