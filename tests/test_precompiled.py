@@ -5,6 +5,7 @@ torch.compile.  Loading saved variants in a fresh process: tests/test_compile_ar
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -75,7 +76,7 @@ def test_a_piece_aot_compile_refuses_goes_back_to_torch_compile(tmp_path: Path, 
     x = torch.randn(4, 3)
     with caplog.at_level(logging.WARNING), torch.inference_mode():
         assert torch.allclose(piece(x), double_tanh(x))
-        assert torch.allclose(piece(x[:2]), double_tanh(x[:2]))
+        assert torch.allclose(piece(x[:3]), double_tanh(x[:3]))  # the same variant: 3 and 4 rows
     assert "aot_compile refused it (NotImplementedError: not this one)" in caplog.text
     assert "plain torch.compile for it instead" in caplog.text
     assert precompiled.TALLY.count(precompiled.FELL_BACK) == 1 and list(tmp_path.iterdir()) == []
@@ -102,3 +103,68 @@ def test_a_loaded_variant_takes_the_marked_tensors_it_was_compiled_for(tmp_path:
         again = compile_dynamic(scaled_rows)(x, marked_weight())
     assert precompiled.TALLY.counts == {precompiled.LOADED: 1}
     assert torch.equal(first, again)
+
+
+def few_rows_branch(x: torch.Tensor) -> torch.Tensor:
+    """A product that takes another path for a few rows, as fp8 weights' ``layers.linear`` does
+    (the few-row kernel up to ``GEMV_ROWS`` rows)."""
+    from engines.fastpath.fp8_gemv import GEMV_ROWS
+
+    if x.shape[0] <= GEMV_ROWS:
+        return x * 3
+    return x * 2
+
+
+def test_a_tick_of_a_few_rows_is_a_variant_of_its_own(tmp_path: Path, monkeypatch, caplog):
+    """The 2-session tick graph guards its batch to 2 where the code branches on the row count:
+    4 and 8 sessions need another variant, shared between them, not a guard miss at the call
+    that sends the whole piece back to torch.compile (an H100's fp8 restart, 2026-12-05)."""
+    monkeypatch.setattr(precompiled, "TALLY", precompiled.Tally())
+    with precompiled.storing_in(tmp_path):
+        piece = compile_dynamic(few_rows_branch)
+    with caplog.at_level(logging.WARNING), torch.inference_mode():
+        for batch in (2, 4, 8, 2):
+            x = torch.randn(batch, 3)
+            assert torch.equal(piece(x), few_rows_branch(x)), batch
+    assert "plain torch.compile" not in caplog.text
+    assert piece._fallback is None
+    assert precompiled.TALLY.count(precompiled.COMPILED) == 2  # 2 rows; 4 and 8 (one dynamic variant)
+
+
+def test_a_loaded_variant_tried_on_trust_is_compiled_again_alone_when_its_call_refuses(tmp_path: Path, monkeypatch,
+                                                                                         caplog):
+    """Where guards cannot be checked before the call (torch 2.11 cannot check a global), a
+    loaded variant is tried; if the call's guards refuse it, that variant is compiled again
+    and the piece stays precompiled (here: the 2-row variant's file put where the 4-row
+    variant's belongs)."""
+    import shutil
+
+    def key(x: torch.Tensor):
+        return (True, False, precompiled.variant_key((x,)))
+
+    two, four = torch.randn(2, 3), torch.randn(4, 3)
+    with precompiled.storing_in(tmp_path), torch.inference_mode():
+        first = compile_dynamic(few_rows_branch)
+        first(two), first(four)
+        shutil.copyfile(first._path(key(two)), first._path(key(four)))
+        monkeypatch.setattr(precompiled, "TALLY", precompiled.Tally())
+        monkeypatch.setattr(precompiled, "_accepts", lambda compiled, full: None)
+        again = compile_dynamic(few_rows_branch)  # a restart
+        with caplog.at_level(logging.WARNING):
+            assert torch.equal(again(four), four * 2)
+            assert torch.equal(again(two), two * 3)
+    assert "refused its first call" in caplog.text and again._fallback is None
+    assert precompiled.TALLY.counts == {precompiled.LOADED: 2, precompiled.COMPILED: 1}
+
+
+def test_a_refusal_naming_a_global_alone_is_tried_at_the_call(tmp_path: Path, monkeypatch):
+    x = torch.randn(4, 3)
+    with precompiled.storing_in(tmp_path), torch.inference_mode():
+        compile_dynamic(few_rows_branch)(x)
+        monkeypatch.setattr(precompiled, "TALLY", precompiled.Tally())
+        monkeypatch.setattr(precompiled, "_accepts", lambda compiled, full: False)
+        monkeypatch.setattr(precompiled, "_refusal", lambda compiled, full: (
+            """GuardDebugInfo( result=0, verbose_code_parts=["'LAYER_NORM_EPS'"], num_guards_executed=27)"""))
+        assert torch.equal(compile_dynamic(few_rows_branch)(x), x * 2)
+    assert precompiled.TALLY.counts == {precompiled.LOADED: 1}
+    assert "__import_engines_dot_fastpath_dot_fp8_gemv" in vars(sys.modules[__name__])

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import sys
 import time
 from contextvars import ContextVar
@@ -36,10 +37,17 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from engines.fastpath.fp8_gemv import GEMV_ROWS
+
 log = logging.getLogger(__name__)
 
 ENGINES = Path(__file__).resolve().parents[1]  # the package whose source the files depend on
 GUARD_MISS = "GuardManager check failed"  # how a loaded variant's __call__ refuses
+# Dynamic sizes a compilation may be specialised to: dynamo specialises 0 and 1, and fp8
+# weights' products branch on the row count (the few-row kernel up to GEMV_ROWS rows), so a
+# tick of 2 sessions guards its batch to 2 and is no variant for 4 (seen on an H100, torch
+# 2.11: every tick graph past 2 slots fell back to torch.compile).
+EXACT_SIZES = max(1, GEMV_ROWS)
 # The dimension marks dynamo reads from a tensor (torch._dynamo.decorators); its guards check them.
 _MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
           "_dynamo_strict_unbacked_indices", "_dynamo_static_indices")
@@ -84,16 +92,17 @@ def directory_name(artifact_stem: str) -> str:
 def variant_key(value: Any) -> Any:
     """What separates the compilations of one piece, from its arguments, cheaply (no tensor
     data): a tensor's class, dtype, device, layout, grad and inference flags, its dimension
-    marks and its sizes, where a dynamic size counts only as 0, 1 or more (dynamo specialises 0
-    and 1) and a static one (a parameter's, a marked one) as itself; scalars and strings by
-    value; modules by class.  Takes the marks off the tensors it is given (``_take_marks``)."""
+    marks and its sizes, where a dynamic size counts as itself up to ``EXACT_SIZES`` and as
+    "more" above, and a static one (a parameter's, a marked one) as itself; scalars and strings
+    by value; modules by class.  Takes the marks off the tensors it is given (``_take_marks``)."""
     if isinstance(value, torch.Tensor):
         marks = _take_marks(value)
         static = dict(marks).get("_dynamo_static_indices", ()) if marks else ()
         if isinstance(value, torch.nn.Parameter):
             sizes = tuple(value.shape)
         else:
-            sizes = tuple(s if s < 2 or i in static else 2 for i, s in enumerate(value.shape))
+            sizes = tuple(s if s <= EXACT_SIZES or i in static else EXACT_SIZES + 1
+                          for i, s in enumerate(value.shape))
         return (value.__class__, value.dtype, value.device, sizes, value.is_contiguous(), value.requires_grad,
                 value.is_inference(), marks)
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -193,6 +202,9 @@ class Precompiled:
         self._fallback_keys: set = set()
         self._unaccounted = 0.0  # seconds of a failed aot_compile, counted with the fallback
         self._file_stem: str | None = None
+        # Loaded variants whose guards could not be checked here, or refused a global that
+        # this process may hold another way (``_global_refusal``): tried at their first call.
+        self._unproven: set[int] = set()
 
     def __call__(self, *args: Any) -> Any:
         if self._fallback is not None:
@@ -205,22 +217,36 @@ class Precompiled:
                 return self._call_fallback(args)
             self._variants[key] = variant
         try:
-            return variant(*args) if self.instance is None else variant(self.instance, *args)
+            result = variant(*args) if self.instance is None else variant(self.instance, *args)
         except RuntimeError as exc:
             if not str(exc).startswith(GUARD_MISS):
                 raise
-            self._give_up(f"its variant keys do not separate what its guards check ({_short(exc)})")
-            return self._call_fallback(args)
+            if id(variant) not in self._unproven:
+                self._give_up(f"its variant keys do not separate what its guards check ({_short(exc)})")
+                return self._call_fallback(args)
+            # A loaded variant tried on trust: this one only is compiled again.
+            self._unproven.discard(id(variant))
+            log.warning("precompiled %s: a loaded variant refused its first call (%s); compiling it again",
+                        self.name, _short(exc))
+            full = args if self.instance is None else (self.instance,) + args
+            variant = self._compile(self._path(key), full)
+            if variant is None:
+                return self._call_fallback(args)
+            self._variants[key] = variant
+            return variant(*args) if self.instance is None else variant(self.instance, *args)
+        self._unproven.discard(id(variant))
+        return result
 
     # Finding a variant ------------------------------------------------------------------
     def _resolve(self, key: Any, args: tuple) -> Callable | None:
         """The variant for a call of ``key``: loaded, shared, or compiled now; None where the
         piece cannot be compiled ahead of time (``_fallback`` is then set)."""
         full = args if self.instance is None else (self.instance,) + args
-        path = self.directory / f"{self._stem()}-{hashlib.sha256(repr(key).encode()).hexdigest()[:16]}.aot"
+        path = self._path(key)
         stale = None
         if path.is_file():
             start = time.perf_counter()
+            _install_import_aliases(self._globals())
             try:
                 with path.open("rb") as file:
                     loaded = torch.compiler.load_compiled_function(file, f_globals=self._globals())
@@ -228,10 +254,14 @@ class Precompiled:
                 stale = f"could not load it ({type(exc).__name__}: {exc})"
             else:
                 accepted = _accepts(loaded, full)
-                if accepted is not False:  # None: this torch cannot say; a miss shows at the call
+                refusal = _refusal(loaded, full) if accepted is False else ""
+                if accepted is not False or _global_refusal(refusal):
+                    # None: this torch cannot say; a global: see _global_refusal.  Tried at the call.
+                    if accepted is not True:
+                        self._unproven.add(id(loaded))
                     TALLY.add(LOADED, time.perf_counter() - start)
                     return loaded
-                stale = f"its guards refuse the call it is keyed for ({_short(_refusal(loaded, full))})"
+                stale = f"its guards refuse the call it is keyed for ({_short(refusal)})"
         else:
             start = time.perf_counter()
             for held in {id(held): held for held in self._variants.values()}.values():
@@ -294,6 +324,9 @@ class Precompiled:
         return result
 
     # Naming -----------------------------------------------------------------------------
+    def _path(self, key: Any) -> Path:
+        return self.directory / f"{self._stem()}-{hashlib.sha256(repr(key).encode()).hexdigest()[:16]}.aot"
+
     def _globals(self) -> dict:
         return vars(sys.modules[self.function.__module__])
 
@@ -322,6 +355,26 @@ def _accepts(compiled: Any, full: tuple) -> bool | None:
     except Exception as exc:  # noqa: BLE001 - see above
         log.debug("cannot check the guards of %s: %s", compiled, exc)
         return None
+
+
+def _install_import_aliases(namespace: dict) -> None:
+    """The names dynamo gives the engine's modules in a traced function's globals.  Tracing
+    reads another module's global (``layers.linear``'s constants, inlined into ``lm``) through
+    an alias it installs there (``__import_engines_dot_model_dot_layers``); a variant loaded in
+    a new process was never traced in it, and its guards and code look the alias up (an H100's
+    fp8 restart, torch 2.11: every LM piece refused on it).  Installing them is what tracing
+    would have done."""
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.startswith("engines."):
+            namespace.setdefault(f"__import_{name.replace('.', '_dot_')}", module)
+
+
+def _global_refusal(refusal: str) -> bool:
+    """Whether a guard refusal names a global only (torch 2.11 words a global its guard check
+    cannot find as the bare quoted name; the check is given the call's locals alone, and a
+    module constant such as ``LAYER_NORM_EPS`` was refused in the process that had just saved
+    the variant): not a reason to recompile before the call has been tried."""
+    return re.search(r"verbose_code_parts=\[\s*['\"]'[A-Za-z_][A-Za-z0-9_]*'['\"]\s*\]", refusal) is not None
 
 
 def _refusal(compiled: Any, full: tuple) -> str:
