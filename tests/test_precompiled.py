@@ -158,13 +158,17 @@ def test_a_loaded_variant_tried_on_trust_is_compiled_again_alone_when_its_call_r
 
 
 def test_a_refusal_naming_a_global_alone_is_tried_at_the_call(tmp_path: Path, monkeypatch):
+    """A refusal of a global alone is tried, and the load installs the import aliases tracing
+    would have (taken away here as a new process would lack them)."""
+    alias = "__import_engines_dot_fastpath_dot_fp8_gemv"
     x = torch.randn(4, 3)
     with precompiled.storing_in(tmp_path), torch.inference_mode():
         compile_dynamic(few_rows_branch)(x)
+        vars(sys.modules[__name__]).pop(alias, None)
         monkeypatch.setattr(precompiled, "TALLY", precompiled.Tally())
         monkeypatch.setattr(precompiled, "_accepts", lambda compiled, full: False)
         monkeypatch.setattr(precompiled, "_refusal", lambda compiled, full: (
             """GuardDebugInfo( result=0, verbose_code_parts=["'LAYER_NORM_EPS'"], num_guards_executed=27)"""))
         assert torch.equal(compile_dynamic(few_rows_branch)(x), x * 2)
     assert precompiled.TALLY.counts == {precompiled.LOADED: 1}
-    assert "__import_engines_dot_fastpath_dot_fp8_gemv" in vars(sys.modules[__name__])
+    assert alias in vars(sys.modules[__name__])
