@@ -202,9 +202,9 @@ class Precompiled:
         self._fallback_keys: set = set()
         self._unaccounted = 0.0  # seconds of a failed aot_compile, counted with the fallback
         self._file_stem: str | None = None
-        # Loaded variants whose guards could not be checked here, or refused a global that
-        # this process may hold another way (``_global_refusal``): tried at their first call.
-        self._unproven: set[int] = set()
+        # Keys of loaded variants whose guards could not be checked here, or refused a global
+        # that this process may hold another way (``_global_refusal``): tried at their first call.
+        self._unproven: set = set()
 
     def __call__(self, *args: Any) -> Any:
         if self._fallback is not None:
@@ -217,31 +217,31 @@ class Precompiled:
                 return self._call_fallback(args)
             self._variants[key] = variant
         try:
-            result = variant(*args) if self.instance is None else variant(self.instance, *args)
+            result = variant(*self._full(args))
         except RuntimeError as exc:
             if not str(exc).startswith(GUARD_MISS):
                 raise
-            if id(variant) not in self._unproven:
+            if key not in self._unproven:
                 self._give_up(f"its variant keys do not separate what its guards check ({_short(exc)})")
                 return self._call_fallback(args)
             # A loaded variant tried on trust: this one only is compiled again.
-            self._unproven.discard(id(variant))
+            self._unproven.discard(key)
             log.warning("precompiled %s: a loaded variant refused its first call (%s); compiling it again",
                         self.name, _short(exc))
-            full = args if self.instance is None else (self.instance,) + args
-            variant = self._compile(self._path(key), full)
+            variant = self._compile(self._path(key), self._full(args))
             if variant is None:
                 return self._call_fallback(args)
             self._variants[key] = variant
-            return variant(*args) if self.instance is None else variant(self.instance, *args)
-        self._unproven.discard(id(variant))
+            return variant(*self._full(args))
+        if self._unproven:
+            self._unproven.discard(key)
         return result
 
     # Finding a variant ------------------------------------------------------------------
     def _resolve(self, key: Any, args: tuple) -> Callable | None:
         """The variant for a call of ``key``: loaded, shared, or compiled now; None where the
         piece cannot be compiled ahead of time (``_fallback`` is then set)."""
-        full = args if self.instance is None else (self.instance,) + args
+        full = self._full(args)
         path = self._path(key)
         stale = None
         if path.is_file():
@@ -258,7 +258,7 @@ class Precompiled:
                 if accepted is not False or _global_refusal(refusal):
                     # None: this torch cannot say; a global: see _global_refusal.  Tried at the call.
                     if accepted is not True:
-                        self._unproven.add(id(loaded))
+                        self._unproven.add(key)
                     TALLY.add(LOADED, time.perf_counter() - start)
                     return loaded
                 stale = f"its guards refuse the call it is keyed for ({_short(refusal)})"
@@ -322,6 +322,10 @@ class Precompiled:
         TALLY.add(FELL_BACK, time.perf_counter() - start + self._unaccounted)
         self._unaccounted = 0.0
         return result
+
+    def _full(self, args: tuple) -> tuple:
+        """The compiled function's arguments: a bound method's instance first."""
+        return args if self.instance is None else (self.instance,) + args
 
     # Naming -----------------------------------------------------------------------------
     def _path(self, key: Any) -> Path:

@@ -73,7 +73,6 @@ GPUS = (
 )
 
 
-
 @dataclass(frozen=True)
 class TickFit:
     """A weight format's fitted parts (milliseconds) and what it reads (bytes)."""
