@@ -177,6 +177,18 @@ class EngineRuntime:
     def free_slots(self) -> int:
         return self.slots.free()
 
+    def allocator_counters(self) -> dict[str, int]:
+        """What the device's memory allocator has done so far (torch's cumulative counters),
+        for explaining a slow tick (orchestrator/lockstep/slow_ticks.py): a retry freed the
+        allocator's cache and synchronised the device; a device allocation or free is a
+        cudaMalloc or cudaFree.  Empty off CUDA.  A host call, no device sync."""
+        if self.device.type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        return {name: int(stats.get(key, 0)) for name, key in (
+            ("alloc_retries", "num_alloc_retries"), ("device_allocs", "num_device_alloc"),
+            ("device_frees", "num_device_free"), ("ooms", "num_ooms"))}
+
     def open_slots(self) -> list[int]:
         return self.slots.open()
 

@@ -10,6 +10,11 @@ that hardly depends on B:
 - ``eta_kv``: the share of the peak bandwidth the decode attention reaches (H200, 3.95 of
   4.8 TB/s on an fp8 window at B = 128: docs/PERFORMANCE.md, "GPU: lockstep tick").
 - ``eta_w``: the same for the weight-reading GEMMs (~3.7 of 4.8 TB/s at B = 1, same section).
+- An int8 window is read no faster than the int8 attention converts it: on the H200 that
+  kernel reached 3.0 TB/s of window bytes, not 3.95 (``--int8-fit``: the H200's benchmark with
+  the A100's kernels forced, its int8 rows from B = 8 up), a ceiling of the SMs' integer work
+  rather than of memory.  Other GPUs get it scaled by SMs x boost clock; below it (the H100,
+  the A100s, the L40S) the window is bandwidth-bound as fp8's is.
 - ``per_session`` and ``fixed``: fitted to the H200 benchmark given (``--fit``: a
   ``engines.tools.bench`` JSON; its fp8-KV rows from B = 8 up, least squares), per weight format.
 - Sessions at the wall: the engine's own memory plan (``engines.runtime.memory_plan``), with
@@ -24,7 +29,8 @@ GPU with fewer SMs or lower clocks pays more); the bandwidth shares carry over; 
 on a GPU without fp8 tensor cores save memory but no time (W8A16 reads the fp8 weight and
 multiplies in bf16), so their tick is predicted with the bf16 weights' fixed cost and bytes.
 
-    python -m engines.tools.capacity_model [--fit docs/results/2026-12-04-h200-bench-same-run-210e8b8.json] [--output capacity.json]
+    python -m engines.tools.capacity_model [--fit docs/results/2026-12-04-h200-bench-same-run-210e8b8.json]
+        [--int8-fit docs/results/2026-12-05-h200-sm80-bench.json] [--output capacity.json]
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ GB = 1e9
 GIB = 2**30
 
 DEFAULT_FIT = "docs/results/2026-12-04-h200-bench-same-run-210e8b8.json"
+# The H200 with PERSONAPLEX_GPU_ARCH=sm80: the int8 attention's rows (and bf16 KV's).
+DEFAULT_INT8_FIT = "docs/results/2026-12-05-h200-sm80-bench.json"
 ETA_KV = 3.95 / 4.8
 ETA_W = 3.7 / 4.8
 # What the H200's plan measured beside the sessions and weights (2026-12-05, issue 34):
@@ -53,6 +61,8 @@ class Gpu:
     memory_gib: float  # what torch reports as the device's total
     bandwidth_tbs: float  # peak memory bandwidth, the vendor's figure
     capability: tuple[int, int]
+    sms: int  # streaming multiprocessors and boost clock (GHz): what integer work scales with
+    boost_ghz: float
 
     @property
     def fp8(self) -> bool:
@@ -65,12 +75,13 @@ class Gpu:
 # others the lowest that users' out-of-memory messages show for the card (A100 40 GB 39.39-39.59,
 # A100 80 GB 79.14-79.35, L40S 44.42 GiB).  Not the nominal "80 GB": 80 GiB less the driver's.
 GPUS = (
-    Gpu("A100-40GB", 39.39, 1.555, (8, 0)),
-    Gpu("A100-80GB", 79.14, 2.039, (8, 0)),
-    Gpu("L40S", 44.42, 0.864, (8, 9)),
-    Gpu("H100-80GB", 79.11, 3.35, (9, 0)),
-    Gpu("H200", 139.80, 4.8, (9, 0)),
+    Gpu("A100-40GB", 39.39, 1.555, (8, 0), 108, 1.41),
+    Gpu("A100-80GB", 79.14, 2.039, (8, 0), 108, 1.41),
+    Gpu("L40S", 44.42, 0.864, (8, 9), 142, 2.52),
+    Gpu("H100-80GB", 79.11, 3.35, (9, 0), 132, 1.98),
+    Gpu("H200", 139.80, 4.8, (9, 0), 132, 1.98),
 )
+H200 = GPUS[-1]
 
 
 @dataclass(frozen=True)
@@ -84,18 +95,14 @@ class TickFit:
 def fit_ticks(bench: dict, kv_window_bytes: float) -> dict[str, TickFit]:
     """Per weight format ("bf16", "fp8"), the fixed cost and per-session cost beyond the KV
     read, from the fp8-KV configs of a benchmark run on the H200."""
-    h200 = next(g for g in GPUS if g.name == "H200")
+    h200 = H200
     fits = {}
     for config, result in bench["configs"].items():
         words = config.split("+")
         if "fp8" not in words or "compile" not in words:
             continue
         weights = "fp8" if "fp8w" in words else "bf16"
-        rows = [(r["batch"], r["tick_ms_p50"]) for r in result["ours"] if r["batch"] >= 8]
-        n = len(rows)
-        mean_b, mean_t = sum(b for b, _ in rows) / n, sum(t for _, t in rows) / n
-        slope = sum((b - mean_b) * (t - mean_t) for b, t in rows) / sum((b - mean_b) ** 2 for b, _ in rows)
-        intercept = mean_t - slope * mean_b
+        slope, intercept = _line([(r["batch"], r["tick_ms_p50"]) for r in result["ours"] if r["batch"] >= 8])
         weight_bytes = result["lm_weights_gb"] * GB
         fits[weights] = TickFit(
             fixed_ms=intercept - weight_bytes / (ETA_W * h200.bandwidth_tbs * 1e12) * 1e3,
@@ -104,10 +111,35 @@ def fit_ticks(bench: dict, kv_window_bytes: float) -> dict[str, TickFit]:
     return fits
 
 
-def tick_ms(gpu: Gpu, fit: TickFit, kv_window_bytes: float, batch: int) -> float:
+def _line(rows: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares through (batch, tick ms): slope, intercept."""
+    n = len(rows)
+    mean_b, mean_t = sum(b for b, _ in rows) / n, sum(t for _, t in rows) / n
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in rows) / sum((b - mean_b) ** 2 for b, _ in rows)
+    return slope, mean_t - slope * mean_b
+
+
+def fit_int8_ceiling(bench: dict, fit: TickFit, kv_window_bytes: float) -> float:
+    """The int8 window's read rate (TB/s) on the H200: its rows' per-session slope, less the
+    per-session cost beyond the KV read that the fp8-KV fit found."""
+    rows = [(r["batch"], r["tick_ms_p50"]) for r in bench["configs"]["int8+compile"]["ours"] if r["batch"] >= 8]
+    slope, _ = _line(rows)
+    return kv_window_bytes / ((slope - fit.per_session_ms) * 1e-3) / 1e12
+
+
+def kv_ceiling_tbs(gpu: Gpu, kv_cache: str, int8_ceiling_h200_tbs: float | None) -> float:
+    """The most TB/s a window of this format is read at on ``gpu`` beside its bandwidth: the
+    int8 conversion's H200 ceiling scaled by SMs x clock; no ceiling for the others."""
+    if kv_cache != "int8" or int8_ceiling_h200_tbs is None:
+        return float("inf")
+    return int8_ceiling_h200_tbs * (gpu.sms * gpu.boost_ghz) / (H200.sms * H200.boost_ghz)
+
+
+def tick_ms(gpu: Gpu, fit: TickFit, kv_window_bytes: float, batch: int, kv_ceiling: float = float("inf")) -> float:
     bandwidth = gpu.bandwidth_tbs * 1e12
+    kv_rate = min(ETA_KV * bandwidth, kv_ceiling * 1e12)
     return (fit.fixed_ms + fit.weight_bytes / (ETA_W * bandwidth) * 1e3
-            + batch * (kv_window_bytes / (ETA_KV * bandwidth) * 1e3 + fit.per_session_ms))
+            + batch * (kv_window_bytes / kv_rate * 1e3 + fit.per_session_ms))
 
 
 def memory_wall(gpu: Gpu, weight_bytes: float, session_bytes: int) -> int:
@@ -141,7 +173,7 @@ def _fp8_lm(lm):
     return lm
 
 
-def predict(bench: dict, max_tick_ms: float) -> list[dict]:
+def predict(bench: dict, max_tick_ms: float, int8_bench: dict | None = None) -> list[dict]:
     import torch
 
     from engines.model.lm import MoshiLM
@@ -154,6 +186,7 @@ def predict(bench: dict, max_tick_ms: float) -> list[dict]:
     kv_read = {kv: kv_window_bytes(lm_cfg.num_layers, lm_cfg.num_heads, lm_cfg.context, lm_cfg.head_dim, 2, kv)
                for kv in ("auto", "fp8", "int8")}
     fits = fit_ticks(bench, kv_read["fp8"])
+    int8_ceiling = fit_int8_ceiling(int8_bench, fits["bf16"], kv_read["int8"]) if int8_bench else None
     mimi = memory_probe.mimi_weight_bytes(mimi_cfg, window)
     with torch.device("meta"):  # sizes only
         weights_in_memory = {
@@ -168,28 +201,33 @@ def predict(bench: dict, max_tick_ms: float) -> list[dict]:
                     continue  # refused at start on this GPU
                 # Without fp8 tensor cores, fp8 weights take the bf16 time (module docstring).
                 fit = fits[weights if gpu.fp8 else "bf16"]
+                ceiling = kv_ceiling_tbs(gpu, kv, int8_ceiling)
                 session = memory_probe.per_slot_bytes(lm_cfg, mimi_cfg, window, torch.bfloat16, kv)
                 wall = memory_wall(gpu, weights_in_memory[weights], session)
                 realtime = 0
-                while tick_ms(gpu, fit, kv_read[kv], realtime + 1) <= max_tick_ms:
+                while tick_ms(gpu, fit, kv_read[kv], realtime + 1, ceiling) <= max_tick_ms:
                     realtime += 1
                 sessions = min(wall, realtime)
                 rows.append({"gpu": gpu.name, "weights": weights, "kv_cache": "bf16" if kv == "auto" else kv,
                              "memory_wall": wall, "realtime_bound": realtime, "sessions": sessions,
                              "bound": "memory" if wall <= realtime else "time",
-                             "tick_ms_b1": round(tick_ms(gpu, fit, kv_read[kv], 1), 2),
-                             "tick_ms_at_sessions": round(tick_ms(gpu, fit, kv_read[kv], max(sessions, 1)), 2)})
+                             "tick_ms_b1": round(tick_ms(gpu, fit, kv_read[kv], 1, ceiling), 2),
+                             "tick_ms_at_sessions": round(tick_ms(gpu, fit, kv_read[kv], max(sessions, 1), ceiling), 2)})
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fit", default=DEFAULT_FIT, help="an engines.tools.bench JSON from the H200 (fp8 KV rows)")
+    parser.add_argument("--int8-fit", default=DEFAULT_INT8_FIT,
+                        help="an engines.tools.bench JSON from the H200 with --gpu-arch sm80 (int8+compile rows): "
+                             "the int8 attention's ceiling; '' for none")
     parser.add_argument("--max-tick-ms", type=float, default=60.0, help="the longest tick that keeps real time")
     parser.add_argument("--output", default="capacity.json", help="the JSON report")
     args = parser.parse_args(argv)
     bench = json.loads(Path(args.fit).read_text())
-    rows = predict(bench, args.max_tick_ms)
+    int8_bench = json.loads(Path(args.int8_fit).read_text()) if args.int8_fit else None
+    rows = predict(bench, args.max_tick_ms, int8_bench)
     print(f"{'GPU':10s} {'weights':7s} {'KV':5s} {'memory wall':>11s} {'real time':>9s} {'sessions':>8s} "
           f"{'bound':6s} {'B=1 ms':>7s} {'tick ms':>8s}")
     for r in rows:
@@ -201,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                                    *(argv if argv is not None else sys.argv[1:])]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_revision": git_revision(), "fit": args.fit, "fit_git_revision": bench.get("git_revision"),
+              "int8_fit": args.int8_fit or None,
               "max_tick_ms": args.max_tick_ms, "eta_kv": ETA_KV, "eta_w": ETA_W,
               "gpus": [asdict(g) for g in GPUS], "predictions": rows}
     Path(args.output).write_text(json.dumps(report, indent=2))

@@ -59,6 +59,7 @@ from ..protocol.audio import float_to_pcm16
 from ..protocol.errors import new_error_id, withheld
 from .joins import UNFINISHED, Job, JobQueue
 from .loading import EngineLoad
+from .slow_ticks import SlowTicks
 from .tick_policy import FRAME_PERIOD_S, PacedPolicy, TickState, WindowPolicy
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,9 @@ class TickScheduler:
         self._live_at_take = 0  # live lanes when the latest tick's frames were taken (batch fill)
         self._stopping = False
         self._ticks = 0
+        # Ticks long enough to be heard, each explained in the log (garbage collections, the
+        # engine's allocator counters): slow_ticks.py.
+        self._slow_ticks = SlowTicks(clock=clock, device=device)
         self._silence = np.zeros(FRAME_SAMPLES, dtype=np.float32)
         self._thread: threading.Thread | None = None
         self._hand_back: Callable[[list], None] = lambda results: None
@@ -302,10 +306,14 @@ class TickScheduler:
         if engine is None:
             return
         own_clock = OwnClock()  # this thread's: a job's cost without a busy host's waits
+        # An engine may count what its device's allocator did (EngineRuntime.allocator_counters).
+        self._slow_ticks.counters = getattr(engine, "allocator_counters", None)
+        self._slow_ticks.gc.install()
         try:
             self._serve(engine, own_clock)
         finally:
             own_clock.close()
+            self._slow_ticks.gc.uninstall()
         self._close(engine, [(key, concurrent.futures.Future()) for key in list(self._lanes)])
 
     def _serve(self, engine: Engine, own_clock: OwnClock) -> None:
@@ -434,6 +442,7 @@ class TickScheduler:
     def _hand_back_outputs(self, batch: list[BatchItem], outputs: list[FrameOutput], start: float) -> None:
         self.failed_ticks_in_row = 0
         seconds = self._clock() - start
+        self._slow_ticks.note(start, seconds, len(batch), self._tick_s)
         self._ticks += 1
         self._tick_s = seconds if self._ticks == 1 else (
             TICK_TIME_SMOOTHING * seconds + (1.0 - TICK_TIME_SMOOTHING) * self._tick_s)
