@@ -172,3 +172,42 @@ def test_a_refusal_naming_a_global_alone_is_tried_at_the_call(tmp_path: Path, mo
         assert torch.equal(compile_dynamic(few_rows_branch)(x), x * 2)
     assert precompiled.TALLY.counts == {precompiled.LOADED: 1}
     assert alias in vars(sys.modules[__name__])
+
+
+NORM_EPS = 1e-5  # a module float read by a compiled piece, as Mimi's LAYER_NORM_EPS is
+
+
+def normed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, NORM_EPS) * 2
+
+
+def test_a_piece_reading_a_float_global_loads_at_the_next_start(tmp_path: Path, monkeypatch, caplog):
+    """Under dynamic shapes the float is first traced as a symbol that layer_norm cannot take
+    (aot_compile raises where torch.compile would trace again: traced again here), then fixed
+    to its value by shape guards that read the module's globals; a loaded variant's guards
+    read them from its own module (torch builds them over the globals pickled with the guards,
+    which hold none: an H200's fp8 restart compiled 8 variants again for it)."""
+    torch._dynamo.reset()  # dynamo's process-wide note of floats to fix, which would hide the retrace
+    x, weight, bias = torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    with precompiled.storing_in(tmp_path), torch.inference_mode(), caplog.at_level(logging.WARNING):
+        monkeypatch.setattr(precompiled, "TALLY", precompiled.Tally())
+        first = compile_dynamic(normed)(x, weight, bias)
+        assert precompiled.TALLY.counts.keys() == {precompiled.COMPILED}, precompiled.TALLY.counts
+        monkeypatch.setattr(precompiled, "TALLY", precompiled.Tally())  # a restart: a new piece
+        again = compile_dynamic(normed)(x, weight, bias)
+        assert precompiled.TALLY.counts == {precompiled.LOADED: 1}, (precompiled.TALLY.counts, caplog.text)
+    assert torch.equal(first, again) and torch.allclose(first, normed(x, weight, bias), atol=1e-5)
+
+
+def test_a_loaded_variant_is_refused_when_its_global_has_changed(tmp_path: Path, monkeypatch):
+    """The guards read the module's value at the call, not a copy from the load: a changed
+    float is compiled again, never computed with the old one."""
+    x, weight, bias = torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    with precompiled.storing_in(tmp_path), torch.inference_mode():
+        compile_dynamic(normed)(x, weight, bias)
+        monkeypatch.setattr(sys.modules[__name__], "NORM_EPS", 10.0)
+        monkeypatch.setattr(precompiled, "TALLY", precompiled.Tally())
+        changed = compile_dynamic(normed)(x, weight, bias)
+    expected = torch.nn.functional.layer_norm(x, (8,), weight, bias, 10.0) * 2
+    assert torch.allclose(changed, expected, atol=1e-6), (changed - expected).abs().max()
+    assert precompiled.LOADED not in precompiled.TALLY.counts or precompiled.COMPILED in precompiled.TALLY.counts

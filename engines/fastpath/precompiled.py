@@ -122,12 +122,15 @@ _MARKS_TAKEN = "_precompiled_marks"
 
 def _take_marks(tensor: torch.Tensor) -> tuple | None:
     """``tensor``'s dimension marks as ((attribute, dims), ...), taken off it; None: unmarked."""
-    if getattr(tensor, "_has_dynamo_dim_marking", False):
-        taken = tuple((name, tuple(sorted(getattr(tensor, name)))) for name in _MARKS if hasattr(tensor, name))
-        for name in _MARKS:
-            if hasattr(tensor, name):
-                delattr(tensor, name)
-        del tensor._has_dynamo_dim_marking
+    # torch 2.13 flags a marked tensor with ``_has_dynamo_dim_marking``; 2.11's ``mark_static``
+    # sets its index set alone: either counts.
+    present = [name for name in _MARKS if hasattr(tensor, name)]
+    if present or getattr(tensor, "_has_dynamo_dim_marking", False):
+        taken = tuple((name, tuple(sorted(getattr(tensor, name)))) for name in present)
+        for name in present:
+            delattr(tensor, name)
+        if hasattr(tensor, "_has_dynamo_dim_marking"):
+            del tensor._has_dynamo_dim_marking
         setattr(tensor, _MARKS_TAKEN, taken)
         return taken
     return getattr(tensor, _MARKS_TAKEN, None)
@@ -250,6 +253,7 @@ class Precompiled:
             try:
                 with path.open("rb") as file:
                     loaded = torch.compiler.load_compiled_function(file, f_globals=self._globals())
+                _bind_guard_globals(loaded, self._globals())
             except Exception as exc:  # noqa: BLE001 - a damaged or foreign file is compiled again
                 stale = f"could not load it ({type(exc).__name__}: {exc})"
             else:
@@ -277,8 +281,17 @@ class Precompiled:
 
         start = time.perf_counter()
         try:
-            with dynamo_config.patch(enable_aot_compile=True), _marks_on(full):
-                compiled = torch.compile(self.function, dynamic=True, fullgraph=True).aot_compile((full, {}))
+            for attempt in (1, 2):
+                try:
+                    with dynamo_config.patch(enable_aot_compile=True), _marks_on(full):
+                        compiled = torch.compile(self.function, dynamic=True, fullgraph=True).aot_compile((full, {}))
+                    break
+                except Exception as exc:  # noqa: BLE001 - see below
+                    # A float that its graph needs as a constant (a global eps under dynamic
+                    # shapes) stops the first trace; torch.compile traces again, aot_compile
+                    # leaves that to its caller, and dynamo has noted the float to fix by then.
+                    if attempt == 2 or type(exc).__name__ != "TensorifyScalarRestartAnalysis":
+                        raise
         except Exception as exc:  # noqa: BLE001 - whatever aot_compile refuses, torch.compile takes
             self._give_up(f"aot_compile refused it ({type(exc).__name__}: {_short(exc)})")
             self._unaccounted = time.perf_counter() - start
@@ -373,11 +386,43 @@ def _install_import_aliases(namespace: dict) -> None:
             namespace.setdefault(f"__import_{name.replace('.', '_dot_')}", module)
 
 
+def _bind_guard_globals(loaded: Any, namespace: dict) -> None:
+    """Point a loaded variant's shape guards at ``namespace`` (the traced function's module).
+
+    With dynamic shapes a float global (``LAYER_NORM_EPS``, ``layers``' constants) is traced as
+    a symbolic float and then specialised, which leaves shape guards such as
+    ``G['LAYER_NORM_EPS'] == 1e-05``.  torch (2.11 and 2.13) builds a loaded variant's shape
+    guards over the globals pickled with its guards, which hold none of the module's (its
+    global guards are filtered out before saving), not over ``f_globals``: every such guard
+    then fails on the missing name, and the refusal names it bare.  Rebuilding the guards over
+    the module's own namespace lets them read its current values; where this torch is built
+    otherwise, the pickled globals get the namespace's values as of now instead."""
+    import dataclasses
+
+    artifacts = getattr(loaded, "_artifacts", None)
+    try:
+        from torch._dynamo.package import load_guard_manager, load_guards_state
+
+        state = load_guards_state(artifacts.guards_state)
+        for name, value in state.output_graph.global_scope.items():  # the builtins dict it names
+            namespace.setdefault(name, value)
+        state.output_graph = dataclasses.replace(state.output_graph, global_scope=namespace)
+        artifacts.guard_manager = load_guard_manager(state, artifacts.original_code, loaded.fn.__globals__)
+    except Exception as exc:  # noqa: BLE001 - torch's own structures; then the copy below
+        log.debug("cannot rebuild the guards of %s over its module: %s", loaded, exc)
+        try:
+            pickled = artifacts.guard_manager.global_scope["G"]
+            for name, value in namespace.items():
+                pickled.setdefault(name, value)
+        except Exception as exc2:  # noqa: BLE001 - left to the call's own guard check
+            log.debug("cannot give the guards of %s their globals: %s", loaded, exc2)
+
+
 def _global_refusal(refusal: str) -> bool:
-    """Whether a guard refusal names a global only (torch 2.11 words a global its guard check
-    cannot find as the bare quoted name; the check is given the call's locals alone, and a
-    module constant such as ``LAYER_NORM_EPS`` was refused in the process that had just saved
-    the variant): not a reason to recompile before the call has been tried."""
+    """Whether a guard refusal names a global only (torch words a global its guard check cannot
+    find as the bare quoted name): not a reason to recompile before the call has been tried.
+    Since ``_bind_guard_globals`` the guards find the module's globals; this remains for a
+    torch whose guards it cannot rebind."""
     return re.search(r"verbose_code_parts=\[\s*['\"]'[A-Za-z_][A-Za-z0-9_]*'['\"]\s*\]", refusal) is not None
 
 

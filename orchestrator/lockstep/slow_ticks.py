@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 log = logging.getLogger(__name__)
 
 # 2.5 frame periods: a tick this long is an output gap longer than the 200 ms a session may
-# have and still hold real time (docs/PERFORMANCE.md, "Measuring").
+# have and still hold real time (docs/PERFORMANCE.md, "The load driver as an instrument (issue 14)").
 SLOW_TICK_S = 0.2
 # Collections remembered: more than run during any one tick (a full one is rare; young ones a
 # few a second under load).
