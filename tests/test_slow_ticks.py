@@ -56,24 +56,28 @@ def test_a_slow_tick_without_a_collection_says_so_and_a_fast_one_is_not_logged()
     assert slow.reported == 1
 
 
-def test_the_engine_counters_are_given_as_moves_since_the_first_tick():
+def test_the_engine_counters_are_given_as_moves_since_serving_began():
     counts = {"alloc_retries": 0, "device_allocs": 10}
-    slow = SlowTicks(counters=lambda: dict(counts))
-    now = time.monotonic()
-    assert slow.note(now, 0.05, 4, 0.05) is None  # the first tick: the baseline
-    counts.update(alloc_retries=1, device_allocs=13)
-    message = slow.note(now, 0.5, 4, 0.05)
-    assert "alloc_retries +1, device_allocs +3" in message, message
-    counts.update(device_allocs=14)
-    assert "alloc_retries +0, device_allocs +1" in slow.note(now, 0.5, 4, 0.05)
-    # A counter that cannot be read does not fail the tick.
-    slow.counters = lambda: 1 / 0
-    assert slow.note(now, 0.5, 4, 0.05) is not None
+    slow = SlowTicks()
+    slow.start(lambda: dict(counts))  # the baseline
+    try:
+        now = time.monotonic()
+        counts.update(alloc_retries=1, device_allocs=13)
+        assert slow.note(now, 0.05, 4, 0.05) is None  # a fast tick reads nothing
+        message = slow.note(now, 0.5, 4, 0.05)
+        assert "alloc_retries +1, device_allocs +3" in message, message
+        counts.update(device_allocs=14)
+        assert "alloc_retries +0, device_allocs +1" in slow.note(now, 0.5, 4, 0.05)
+        # A counter that cannot be read does not fail the tick.
+        slow.counters = lambda: 1 / 0
+        assert slow.note(now, 0.5, 4, 0.05) is not None
+    finally:
+        slow.stop()
 
 
 def test_the_scheduler_explains_a_slow_tick_of_the_real_engine(caplog):
     """The engine thread's tick that ran a full collection and took 0.3 s: one warning naming
-    it; the ticks around it none.  The tiny engine on CPU has no allocator counters (empty)."""
+    it.  The tiny engine on CPU has no allocator counters (empty)."""
     class SlowOnce:
         def __init__(self, engine) -> None:
             self.engine, self.ticks = engine, 0
@@ -104,7 +108,9 @@ def test_the_scheduler_explains_a_slow_tick_of_the_real_engine(caplog):
                 sink.wait(lambda: len(sink.results) == i + 1)
     finally:
         scheduler.stop()
+    # A busy machine may make other ticks of the tiny engine slow too (logged, without a full
+    # collection): the one that ran the collection is logged once, with it.
     warnings = [r.getMessage() for r in caplog.records if r.name == "orchestrator.lockstep.slow_ticks"]
-    assert len(warnings) == 1, warnings
-    assert "a tick of 1 sessions on cpu took" in warnings[0] and "(1 full)" in warnings[0], warnings
+    full = [w for w in warnings if "(1 full)" in w]
+    assert len(full) == 1 and "a tick of 1 sessions on cpu took" in full[0], warnings
     assert np.all([r.batch_size == 1 for r in sink.results])

@@ -394,28 +394,23 @@ def _bind_guard_globals(loaded: Any, namespace: dict) -> None:
     ``G['LAYER_NORM_EPS'] == 1e-05``.  torch (2.11 and 2.13) builds a loaded variant's shape
     guards over the globals pickled with its guards, which hold none of the module's (its
     global guards are filtered out before saving), not over ``f_globals``: every such guard
-    then fails on the missing name, and the refusal names it bare.  Rebuilding the guards over
-    the module's own namespace lets them read its current values; where this torch is built
-    otherwise, the pickled globals get the namespace's values as of now instead."""
+    then fails on the missing name, and the refusal names it bare.  Rebuilt over the module's
+    own namespace, the guards read its values at each call.  Where this torch is built
+    otherwise the variant keeps its guards: refused, it is compiled again (slower, never a
+    call its guards should refuse)."""
     import dataclasses
 
-    artifacts = getattr(loaded, "_artifacts", None)
     try:
         from torch._dynamo.package import load_guard_manager, load_guards_state
 
+        artifacts = loaded._artifacts
         state = load_guards_state(artifacts.guards_state)
         for name, value in state.output_graph.global_scope.items():  # the builtins dict it names
             namespace.setdefault(name, value)
         state.output_graph = dataclasses.replace(state.output_graph, global_scope=namespace)
         artifacts.guard_manager = load_guard_manager(state, artifacts.original_code, loaded.fn.__globals__)
-    except Exception as exc:  # noqa: BLE001 - torch's own structures; then the copy below
+    except Exception as exc:  # noqa: BLE001 - torch's own structures: left as loaded
         log.debug("cannot rebuild the guards of %s over its module: %s", loaded, exc)
-        try:
-            pickled = artifacts.guard_manager.global_scope["G"]
-            for name, value in namespace.items():
-                pickled.setdefault(name, value)
-        except Exception as exc2:  # noqa: BLE001 - left to the call's own guard check
-            log.debug("cannot give the guards of %s their globals: %s", loaded, exc2)
 
 
 def _global_refusal(refusal: str) -> bool:

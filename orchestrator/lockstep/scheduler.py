@@ -307,13 +307,12 @@ class TickScheduler:
             return
         own_clock = OwnClock()  # this thread's: a job's cost without a busy host's waits
         # An engine may count what its device's allocator did (EngineRuntime.allocator_counters).
-        self._slow_ticks.counters = getattr(engine, "allocator_counters", None)
-        self._slow_ticks.gc.install()
+        self._slow_ticks.start(getattr(engine, "allocator_counters", None))
         try:
             self._serve(engine, own_clock)
         finally:
             own_clock.close()
-            self._slow_ticks.gc.uninstall()
+            self._slow_ticks.stop()
         self._close(engine, [(key, concurrent.futures.Future()) for key in list(self._lanes)])
 
     def _serve(self, engine: Engine, own_clock: OwnClock) -> None:
@@ -442,7 +441,7 @@ class TickScheduler:
     def _hand_back_outputs(self, batch: list[BatchItem], outputs: list[FrameOutput], start: float) -> None:
         self.failed_ticks_in_row = 0
         seconds = self._clock() - start
-        self._slow_ticks.note(start, seconds, len(batch), self._tick_s)
+        typical_s = self._tick_s
         self._ticks += 1
         self._tick_s = seconds if self._ticks == 1 else (
             TICK_TIME_SMOOTHING * seconds + (1.0 - TICK_TIME_SMOOTHING) * self._tick_s)
@@ -455,6 +454,11 @@ class TickScheduler:
                         tick_ms, len(batch), (start - item.arrival) * 1e3)
             for i, (item, out) in enumerate(zip(batch, outputs))
         ])
+        if seconds >= self._slow_ticks.threshold_s:  # after the frames have gone: the log waits, they do not
+            try:
+                self._slow_ticks.note(start, seconds, len(batch), typical_s)
+            except Exception as exc:  # noqa: BLE001 - a diagnostic must not fail the tick it describes
+                log.debug("could not explain a slow tick: %s", exc)
 
     def _slot_fault(self, batch: list[BatchItem], fault: SlotFault) -> tuple[list[BatchItem], list[FrameOutput]]:
         """Fail the lanes ``fault`` names; returns the lanes that did advance, with outputs."""

@@ -62,9 +62,9 @@ class GcWatch:
 
 class SlowTicks:
     """Explains, in one warning each, the ticks longer than ``threshold_s``.  ``counters``
-    gives the engine's cumulative counters (name -> count) or None, read at the first tick
-    and at each slow one: each warning names how they moved since the one before (the first
-    since serving began)."""
+    gives the engine's cumulative counters (name -> count) or None, read when serving starts
+    and at each slow tick: each warning names how they moved since the slow tick before (the
+    first since serving began; a span that holds the joins and closes of that time too)."""
 
     def __init__(self, counters: Callable[[], Mapping[str, int] | None] | None = None,
                  threshold_s: float = SLOW_TICK_S, clock: Callable[[], float] = time.monotonic,
@@ -73,16 +73,22 @@ class SlowTicks:
         self.gc = GcWatch(clock)
         self.counters = counters
         self._last_counters: Mapping[str, int] | None = None
-        self._baseline_pending = True
         self._device = device
         self.reported = 0
+
+    def start(self, counters: Callable[[], Mapping[str, int] | None] | None) -> None:
+        """Serving begins: watch the collections, read the engine's counters once (the first
+        slow tick's moves count from here)."""
+        self.counters = counters
+        self._last_counters = self._read_counters()
+        self.gc.install()
+
+    def stop(self) -> None:
+        self.gc.uninstall()
 
     def note(self, start: float, seconds: float, batch: int, typical_s: float) -> str | None:
         """A tick of ``batch`` sessions that began at ``start`` and took ``seconds`` (the
         recent typical tick ``typical_s``); the warning logged, if it was slow."""
-        if self._baseline_pending:
-            self._baseline_pending = False
-            self._last_counters = self._read_counters()
         if seconds < self.threshold_s:
             return None
         collections = self.gc.during(start, start + seconds)
@@ -114,5 +120,5 @@ class SlowTicks:
         if not now:
             return ""
         before, self._last_counters = self._last_counters or {}, now
-        return "engine counters since the previous slow tick (or the first tick): " + ", ".join(
+        return "engine counters since the previous slow tick (or since serving began): " + ", ".join(
             f"{name} +{value - before.get(name, 0)}" for name, value in sorted(now.items()))
