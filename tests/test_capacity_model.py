@@ -32,15 +32,11 @@ def test_the_h200_figures_it_was_fitted_to_come_back():
     assert rows[("H200", "bf16", "fp8")]["memory_wall"] == 147
     # Its ticks from B = 8 up, within 6 % of the benchmark's p50s (5.2 % at B = 8 is the worst: a line
     # through a curve that bends where the fixed cost stops hiding the per-session reads).
-    from engines.config import LMConfig, kv_window_bytes
-
-    cfg = LMConfig()
-    kv = kv_window_bytes(cfg.num_layers, cfg.num_heads, cfg.context, cfg.head_dim, 2, "fp8")
+    kv = _windows()["fp8"]
     fit = cm.fit_ticks(bench, kv)["bf16"]
-    h200 = next(g for g in cm.GPUS if g.name == "H200")
     for row in bench["configs"]["fp8+compile"]["ours"]:
         if row["batch"] >= 8:
-            predicted = cm.tick_ms(h200, fit, kv, row["batch"])
+            predicted = cm.tick_ms(cm.H200, fit, kv, row["batch"])
             assert abs(predicted / row["tick_ms_p50"] - 1) < 0.06, (row["batch"], predicted, row["tick_ms_p50"])
 
 
@@ -61,14 +57,10 @@ def test_predictions_follow_memory_bandwidth_and_the_kv_format():
 def test_it_predicts_the_h100_it_was_not_fitted_to():
     """An H100 with the A100's kernels and the int8 KV cache (2026-12-05, docs/PERFORMANCE.md,
     "A capacity model per GPU"): only its bandwidth differs from the H200 in the model."""
-    from engines.config import LMConfig, kv_window_bytes
-
     h100_run = json.loads((ROOT / "docs/results/2026-12-05-h100-sm80-bench-int8.json").read_text())
     assert h100_run["gpu"].startswith("NVIDIA H100")
     bench = json.loads((ROOT / cm.DEFAULT_FIT).read_text())
-    cfg = LMConfig()
-    window = {kv: kv_window_bytes(cfg.num_layers, cfg.num_heads, cfg.context, cfg.head_dim, 2, kv)
-              for kv in ("fp8", "int8")}
+    window = _windows()
     fit = cm.fit_ticks(bench, window["fp8"])["bf16"]
     h100 = next(g for g in cm.GPUS if g.name == "H100-80GB")
     ceiling = cm.kv_ceiling_tbs(h100, "int8", cm.fit_int8_ceiling(

@@ -95,7 +95,6 @@ class TickFit:
 def fit_ticks(bench: dict, kv_window_bytes: float) -> dict[str, TickFit]:
     """Per weight format ("bf16", "fp8"), the fixed cost and per-session cost beyond the KV
     read, from the fp8-KV configs of a benchmark run on the H200."""
-    h200 = H200
     fits = {}
     for config, result in bench["configs"].items():
         words = config.split("+")
@@ -105,8 +104,8 @@ def fit_ticks(bench: dict, kv_window_bytes: float) -> dict[str, TickFit]:
         slope, intercept = _line([(r["batch"], r["tick_ms_p50"]) for r in result["ours"] if r["batch"] >= 8])
         weight_bytes = result["lm_weights_gb"] * GB
         fits[weights] = TickFit(
-            fixed_ms=intercept - weight_bytes / (ETA_W * h200.bandwidth_tbs * 1e12) * 1e3,
-            per_session_ms=slope - kv_window_bytes / (ETA_KV * h200.bandwidth_tbs * 1e12) * 1e3,
+            fixed_ms=intercept - weight_bytes / (ETA_W * H200.bandwidth_tbs * 1e12) * 1e3,
+            per_session_ms=slope - kv_window_bytes / (ETA_KV * H200.bandwidth_tbs * 1e12) * 1e3,
             weight_bytes=weight_bytes)
     return fits
 

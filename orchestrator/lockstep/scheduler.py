@@ -454,11 +454,10 @@ class TickScheduler:
                         tick_ms, len(batch), (start - item.arrival) * 1e3)
             for i, (item, out) in enumerate(zip(batch, outputs))
         ])
-        if seconds >= self._slow_ticks.threshold_s:  # after the frames have gone: the log waits, they do not
-            try:
-                self._slow_ticks.note(start, seconds, len(batch), typical_s)
-            except Exception as exc:  # noqa: BLE001 - a diagnostic must not fail the tick it describes
-                log.debug("could not explain a slow tick: %s", exc)
+        try:  # after the frames have gone: a slow tick's log line waits, they do not
+            self._slow_ticks.note(start, seconds, len(batch), typical_s)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must not fail the tick it describes
+            log.debug("could not explain a slow tick: %s", exc)
 
     def _slot_fault(self, batch: list[BatchItem], fault: SlotFault) -> tuple[list[BatchItem], list[FrameOutput]]:
         """Fail the lanes ``fault`` names; returns the lanes that did advance, with outputs."""
