@@ -214,3 +214,38 @@ def test_a_loaded_variant_is_refused_when_its_global_changes(tmp_path: Path, mon
         changed = piece(x, weight, bias)
     expected = torch.nn.functional.layer_norm(x, (8,), weight, bias, 10.0) * 2
     assert torch.allclose(changed, expected, atol=1e-5), (changed - expected).abs().max()
+
+
+class TwoPieces(torch.nn.Module):
+    """Two compiled methods kept on their instance, as the quantizer keeps its encode and decode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+        self.scaled = self._scaled
+        self.shifted = self._shifted
+
+    def compile_pieces(self) -> None:
+        self.scaled = compile_dynamic(self._scaled)
+        self.shifted = compile_dynamic(self._shifted)
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight * 2
+
+    def _shifted(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + 1
+
+
+def test_a_second_piece_kept_on_the_same_instance_is_precompiled_and_loads(tmp_path: Path, monkeypatch):
+    """The second piece's guards pickle the instance with the first piece on it, which once
+    could not be pickled: aot_compile refused it (the H200's quantizer decode fell back)."""
+    model = TwoPieces()
+    x = torch.randn(3, 4)
+    with precompiled.storing_in(tmp_path), torch.inference_mode():
+        for start in ("first", "restart"):
+            monkeypatch.setattr(precompiled, "TALLY", precompiled.Tally())
+            model.compile_pieces()
+            assert torch.allclose(model.scaled(x), x @ model.weight * 2)
+            assert torch.allclose(model.shifted(x), x @ model.weight + 1)
+            expected = {precompiled.COMPILED if start == "first" else precompiled.LOADED: 2}
+            assert precompiled.TALLY.counts == expected, (start, precompiled.TALLY.counts)

@@ -209,6 +209,15 @@ class Precompiled:
         # that this process may hold another way (``_global_refusal``): tried at their first call.
         self._unproven: set = set()
 
+    def __reduce__(self) -> tuple:
+        # A variant whose arguments include a module instance pickles, with its guards, the
+        # instance's callable attributes, this piece among them when it is kept on the
+        # instance (the quantizer's encode and decode): its variants hold guard managers,
+        # which cannot be pickled, so aot_compile refused the second piece of the instance
+        # to be compiled (on the H200, the quantizer's decode went back to torch.compile at
+        # every start).  No guard reads this copy: it travels as its name only.
+        return _unpicklable_piece, (self.name,)
+
     def __call__(self, *args: Any) -> Any:
         if self._fallback is not None:
             return self._call_fallback(args)
@@ -358,6 +367,13 @@ class Precompiled:
                 stem += "-" + hashlib.sha256(structure.encode()).hexdigest()[:12]
             self._file_stem = stem
         return self._file_stem
+
+
+def _unpicklable_piece(name: str) -> Callable:
+    """What a piece pickled with another variant's guards is when loaded: never called."""
+    def piece(*args: Any) -> Any:
+        raise RuntimeError(f"{name}: a copy pickled with a compiled variant's guards cannot be called")
+    return piece
 
 
 def _accepts(compiled: Any, full: tuple) -> bool | None:
