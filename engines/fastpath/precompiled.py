@@ -216,7 +216,7 @@ class Precompiled:
         # which cannot be pickled, so aot_compile refused the second piece of the instance
         # to be compiled (on the H200, the quantizer's decode went back to torch.compile at
         # every start).  No guard reads this copy: it travels as its name only.
-        return _unpicklable_piece, (self.name,)
+        return _unpickled_piece, (self.name,)
 
     def __call__(self, *args: Any) -> Any:
         if self._fallback is not None:
@@ -369,7 +369,7 @@ class Precompiled:
         return self._file_stem
 
 
-def _unpicklable_piece(name: str) -> Callable:
+def _unpickled_piece(name: str) -> Callable:
     """What a piece pickled with another variant's guards is when loaded: never called."""
     def piece(*args: Any) -> Any:
         raise RuntimeError(f"{name}: a copy pickled with a compiled variant's guards cannot be called")
