@@ -198,15 +198,18 @@ async def soak(server: Server, duration_s: float, sessions: int, session_s: tupl
     # once saw one task more), at most IDLE_LOOKS_S, and keep the least look.
     idle = []
     settle_end = time.monotonic() + IDLE_LOOKS_S
-    while not idle or (time.monotonic() < settle_end and not _back(idle[-1], idle_before)):
+    while not idle or (time.monotonic() < settle_end and not all(_back(idle[-1], idle_before).values())):
         await asyncio.sleep(0.5)
         idle.append(await asyncio.to_thread(sample, server, pid, t0))
-    idle_after = min(idle, key=lambda s: (s.fds, s.tasks, s.threads))
+    # The look that came back if one did (it is the last); else the least, for the report.
+    idle_after = min(idle, key=lambda s: (not all(_back(s, idle_before).values()), s.fds, s.tasks, s.threads))
     return samples, totals, idle_before, idle_after
 
 
-def _back(now: Sample, before: Sample) -> bool:
-    return now.fds <= before.fds and now.tasks <= before.tasks and now.threads <= before.threads
+def _back(now: Sample, before: Sample) -> dict[str, bool]:
+    """Whether sockets, threads and tasks are back to (or under) their count before the load."""
+    return {"fds_back": now.fds <= before.fds, "threads_back": now.threads <= before.threads,
+            "tasks_back": now.tasks <= before.tasks}
 
 
 def _unexplained_errors(log: str, faults: bool) -> list[str]:
@@ -251,9 +254,7 @@ def run_soak(duration_s: float, sessions: int, *, session_s: tuple[float, float]
     rss_growth = max(s.rss_mb for s in warm) - warm[0].rss_mb
     checks = {
         "slots_all_free": after.free == sessions and after.live == 0,
-        "fds_back": after.fds <= before.fds,
-        "threads_back": after.threads <= before.threads,
-        "tasks_back": after.tasks <= before.tasks,
+        **_back(after, before),
         "memory_bounded": rss_growth <= max_growth_mb,
         "no_server_errors": not _unexplained_errors(log, faults),
         "no_client_errors": not totals.errors and (faults or not totals.engine_errors),
